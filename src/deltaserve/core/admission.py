@@ -1,0 +1,203 @@
+"""Admission (Algorithm 1): which fine-tuning samples ride in the step a host is about to run.
+
+No admission while the backward runs, the buffer is full or the pool is empty; on a
+phase-separated host, none on a decode-only step; in ``temp`` mode, none beside inference work.
+Δ is the tightest SLO slack (see :mod:`deltaserve.core.slo`). If the inference-only batch already
+costs more than Δ, nothing is admitted. Otherwise samples are added in increasing length while
+buffer rows remain and the margin-inflated prediction of the mixed step stays ≤ Δ; the first
+sample that does not fit ends the step's admission. Admitted samples are claimed from the pool
+and hold buffer rows, so nothing is picked twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple
+
+from deltaserve.core.buffer_ledger import BufferLedger, RowSpan
+from deltaserve.core.calibration import Batching, HostLimits
+from deltaserve.core.errors import require, require_choice
+from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.pool import SamplePool
+from deltaserve.core.shape import StepShape
+from deltaserve.core.slo import SLOConfig, StepBudget, WaitingRequest, tpot_slack_s, ttft_slack_s
+
+
+class AdmissionMode(StrEnum):
+    FULL = "full"  # Algorithm 1 in every step
+    TEMP = "temp"  # fine-tuning only in steps with no inference work
+    OFF = "off"  # inference only
+
+
+class Skip(StrEnum):
+    """Why a step carries no (more) fine-tuning samples."""
+
+    OFF = "off"
+    BACKWARD_RUNNING = "backward_running"
+    POOL_EMPTY = "pool_empty"
+    BUFFER_FULL = "buffer_full"
+    DECODE_ONLY_STEP = "decode_only_step"
+    INFERENCE_PRESENT = "inference_present"
+    UNCALIBRATED = "uncalibrated"
+    BUDGET_EXHAUSTED = "budget_exhausted"  # the inference-only batch already exceeds Δ
+    OVER_BUDGET = "over_budget"  # the next sample would push the step past Δ
+    STEP_LIMIT = "step_limit"  # the host's per-step token or sequence limit
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """``max_ft_tokens_per_step`` caps the samples of one step; it bounds a training-only step,
+    where no request constrains Δ. ``admit_during_backward`` lifts Algorithm 1's first rule (an
+    ablation: the buffer then needs room for the next batch while the backward reads this one).
+    """
+
+    mode: AdmissionMode = AdmissionMode.FULL
+    max_ft_tokens_per_step: int = 1024
+    admit_during_backward: bool = False
+
+    def __post_init__(self) -> None:
+        require_choice("mode", self.mode, tuple(AdmissionMode))
+        require(self.max_ft_tokens_per_step > 0, "max_ft_tokens_per_step",
+                self.max_ft_tokens_per_step, "must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulingView:
+    """What a host tells the co-server before it dispatches a step.
+
+    ``waiting``: requests with no first token yet, in scheduling order, including those whose
+    prefill is in ``proposed``. ``oldest_decode_token_s``: time of the last token of the decode
+    request that has waited longest (None: no decode in flight). ``deferred_decode``: on a
+    phase-separated host, the decode step this step delays.
+    """
+
+    proposed: StepShape
+    now_s: float
+    waiting: tuple[WaitingRequest, ...] = ()
+    oldest_decode_token_s: float | None = None
+    deferred_decode: StepShape | None = None
+    backward_running: bool = False
+
+
+class AdmittedSample(NamedTuple):
+    """One admitted sample and its buffer rows (a NamedTuple for the same reason as RowSpan)."""
+
+    sample_id: int
+    num_tokens: int
+    rows: RowSpan
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    """The step to run: the host's batch plus ``samples`` (in the order their rows are laid out
+    in the step). ``skip`` says why admission stopped; ``predicted_s`` is the margin-inflated
+    prediction of ``shape``."""
+
+    samples: tuple[AdmittedSample, ...]
+    shape: StepShape
+    budget: StepBudget | None
+    predicted_s: float
+    skip: Skip | None
+
+    @property
+    def num_ft_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+
+class AdmissionScheduler:
+    """Algorithm 1 over a latency model, a sample pool and the buffer's row ledger."""
+
+    def __init__(self, config: AdmissionConfig, slo: SLOConfig, limits: HostLimits,
+                 model: LatencyModel, pool: SamplePool, ledger: BufferLedger):
+        self.config = config
+        self.slo = slo
+        self.limits = limits
+        self.model = model
+        self.pool = pool
+        self.ledger = ledger
+        self._queue_rate: tuple[int, float] = (-1, math.inf)
+
+    def queue_s_per_token(self) -> float:
+        """Predicted seconds per queued prompt token at full steps (cached per model fit)."""
+        version, rate = self._queue_rate
+        if version != self.model.version:
+            n = self.limits.max_tokens_per_step
+            rate = self.model.predict(StepShape((n,))) / n
+            self._queue_rate = (self.model.version, rate)
+        return rate
+
+    def budget(self, view: SchedulingView) -> StepBudget:
+        deferred = 0.0
+        if view.deferred_decode is not None and self.limits.batching is Batching.PHASE_SEPARATED:
+            deferred = self.model.predict_upper(view.deferred_decode)
+        return StepBudget(
+            ttft_slack_s(self.slo, view.now_s, view.waiting, self.queue_s_per_token()),
+            tpot_slack_s(self.slo, view.now_s, view.oldest_decode_token_s, deferred),
+        )
+
+    def plan(self, view: SchedulingView) -> AdmissionPlan:
+        proposed = view.proposed
+        skip = self._precheck(view)
+        if skip is not None:
+            return AdmissionPlan((), proposed, None, math.nan, skip)
+        budget = self.budget(view)
+        delta = budget.delta_s
+        pricer = self.model.ft_pricer(proposed)
+        assert pricer is not None  # _precheck: calibrated
+        base_s = pricer.upper_s(0, 0) if proposed.has_inference else 0.0
+        if base_s > delta:
+            return AdmissionPlan((), proposed, budget, base_s, Skip.BUDGET_EXHAUSTED)
+
+        room_tokens = min(self.limits.max_tokens_per_step - proposed.num_tokens,
+                          self.config.max_ft_tokens_per_step, self.ledger.largest_free_run)
+        room_seqs = self.limits.max_seqs_per_step - proposed.num_seqs
+        # Equation I is linear in (Σm², Σm) of the samples: price candidates incrementally.
+        base, alpha, gamma, scale = pricer.base_s, pricer.alpha, pricer.gamma, pricer.scale
+        chosen: list[tuple[int, int]] = []
+        sq = tok = 0
+        cost = base_s
+        stop = Skip.POOL_EMPTY
+        for sid, n in self.pool.iter_available():
+            if tok + n > room_tokens or len(chosen) >= room_seqs:
+                # the buffer's free run and the host's step limits both bound the step
+                stop = Skip.BUFFER_FULL if tok + n > self.ledger.largest_free_run \
+                    else Skip.STEP_LIMIT
+                break
+            c = (base + alpha * (sq + n * n) + gamma * (tok + n)) * scale
+            if c > delta:
+                stop = Skip.OVER_BUDGET
+                break
+            chosen.append((sid, n))
+            sq, tok, cost = sq + n * n, tok + n, c
+        if not chosen:
+            return AdmissionPlan((), proposed, budget, base_s, stop)
+
+        claimed = self.pool.claim_first(len(chosen))
+        assert claimed == [sid for sid, _ in chosen]
+        spans = self.ledger.reserve_many(chosen)
+        assert spans is not None  # the step's tokens fit the largest free run
+        admitted = tuple(AdmittedSample(sid, n, span)
+                         for (sid, n), span in zip(chosen, spans, strict=True))
+        shape = proposed.with_ft(tuple(n for _, n in chosen))
+        return AdmissionPlan(admitted, shape, budget, cost, stop)
+
+    def _precheck(self, view: SchedulingView) -> Skip | None:
+        cfg = self.config
+        if cfg.mode is AdmissionMode.OFF:
+            return Skip.OFF
+        if view.backward_running and not cfg.admit_during_backward:
+            return Skip.BACKWARD_RUNNING
+        smallest = self.pool.smallest_available()
+        if smallest is None:
+            return Skip.POOL_EMPTY
+        if self.ledger.largest_free_run < smallest:
+            return Skip.BUFFER_FULL
+        if cfg.mode is AdmissionMode.TEMP and view.proposed.has_inference:
+            return Skip.INFERENCE_PRESENT
+        if self.limits.batching is Batching.PHASE_SEPARATED and view.proposed.is_decode_only:
+            return Skip.DECODE_ONLY_STEP
+        if not self.model.is_calibrated:
+            return Skip.UNCALIBRATED
+        return None

@@ -1,0 +1,46 @@
+"""The one exception type for bad input anywhere in DeltaServe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class InputError(ValueError):
+    """Bad configuration or data: names the field, the offending value and why.
+
+    ``line`` is set for a malformed data row (1-based line number in its file); ``record``
+    (1-based) too where a file holds several records on a line (a JSON array).
+    """
+
+    def __init__(self, field: str, value: Any, reason: str, *, line: int | None = None,
+                 record: int | None = None):
+        self.field = field
+        self.value = value
+        self.reason = reason
+        self.line = line
+        self.record = record
+        where = f"line {line}: " if line is not None else ""
+        if record is not None:
+            where = f"record {record}, {where}" if where else f"record {record}: "
+        shown = repr(value)
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        super().__init__(f"{where}{field}={shown}: {reason}")
+
+
+def require(ok: bool, field: str, value: Any, reason: str) -> None:
+    """Raise :class:`InputError` unless ``ok``; keeps ``__post_init__`` checks one line each."""
+    if not ok:
+        raise InputError(field, value, reason)
+
+
+def require_positive(field: str, value: float) -> None:
+    require(value > 0, field, value, "must be > 0")
+
+
+def require_non_negative(field: str, value: float) -> None:
+    require(value >= 0, field, value, "must be >= 0")
+
+
+def require_choice(field: str, value: Any, choices: tuple[Any, ...]) -> None:
+    require(value in choices, field, value, f"must be one of {', '.join(map(str, choices))}")

@@ -1,0 +1,43 @@
+"""Non-negative least squares (Lawson & Hanson, 1974), small and dependency-free.
+
+The latency model has at most five coefficients, so the active-set loop is a handful of ``lstsq``
+calls. Columns are scaled to unit max so features of very different magnitude (``Σn²`` in the
+millions, the constant in ones) solve stably.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def nnls(a: np.ndarray, b: np.ndarray, *, max_iter: int | None = None) -> np.ndarray:
+    """Return ``x >= 0`` minimising ``||a @ x - b||₂``."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.ndim != 2 or b.ndim != 1 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"nnls: incompatible shapes a={a.shape} b={b.shape}")
+    n = a.shape[1]
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * max(1.0, np.abs(a).max()) * max(a.shape)
+    for _ in range(max_iter or 3 * n + 10):
+        w = a.T @ (b - a @ x)
+        candidates = ~passive & (w > tol)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, w, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            blocking = passive & (z <= 0)
+            step = np.min(x[blocking] / (x[blocking] - z[blocking]))
+            x = x + step * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x / scale

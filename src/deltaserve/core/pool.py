@@ -1,0 +1,222 @@
+"""The fine-tuning sample pool: exactly once per epoch, across aborts and crashes.
+
+A sample is *available*, *claimed* (admitted into a step, its activations in flight) or
+*committed* (its gradient is in the adapter). ``claim`` takes available samples, ``release``
+returns claimed ones, ``commit`` retires claimed ones. An epoch ends when every sample is
+committed; the next one makes them all available again. Candidates come out in increasing length
+(the admission order); equal lengths come out in a seeded per-epoch shuffle.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from deltaserve.core.errors import require
+
+
+class PoolStateError(RuntimeError):
+    """A claim/commit/release that breaks the exactly-once protocol (a bug in the caller)."""
+
+
+class _State(IntEnum):
+    AVAILABLE = 0
+    CLAIMED = 1
+    COMMITTED = 2
+
+
+@dataclass(frozen=True)
+class PoolProgress:
+    epoch: int  # 0-based epoch in progress (== num_epochs once finished)
+    num_epochs: int | None
+    num_samples: int
+    samples_committed: int  # in the current epoch
+    samples_claimed: int
+    tokens_committed_total: int  # over all epochs
+    samples_committed_total: int
+
+    @property
+    def finished(self) -> bool:
+        return self.num_epochs is not None and self.epoch >= self.num_epochs
+
+
+class SamplePool:
+    """Samples are ids ``0..len(lengths)-1``; ``lengths[i]`` is sample i's token count."""
+
+    def __init__(self, lengths: Sequence[int], *, num_epochs: int | None = 1, seed: int = 0):
+        require(len(lengths) > 0, "dataset", len(lengths), "the dataset has no samples")
+        require(all(n > 0 for n in lengths), "lengths", min(lengths),
+                "every sample needs >= 1 token")
+        require(num_epochs is None or num_epochs >= 1, "num_epochs", num_epochs,
+                "must be >= 1 (or None for no end)")
+        self._lengths = tuple(int(n) for n in lengths)
+        self.num_epochs = num_epochs
+        self.seed = seed
+        self._state = [_State.AVAILABLE] * len(self._lengths)
+        self._buckets: dict[int, dict[int, None]] = {}
+        self._sorted_lens: list[int] = []
+        self._epoch = 0
+        self._num_committed = 0
+        self._num_claimed = 0
+        self._tokens_total = 0
+        self._samples_total = 0
+        self._fill(range(len(self._lengths)))
+
+    # ---- queries ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Available samples."""
+        return len(self._lengths) - self._num_committed - self._num_claimed
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._sorted_lens
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def length(self, sample_id: int) -> int:
+        return self._lengths[sample_id]
+
+    def smallest_available(self) -> int | None:
+        """Length of the shortest available sample."""
+        return self._sorted_lens[0] if self._sorted_lens else None
+
+    def iter_available(self) -> Iterator[tuple[int, int]]:
+        """``(sample_id, length)`` of available samples in increasing length. Claiming while
+        iterating is not allowed; collect the ids first."""
+        for n in self._sorted_lens:
+            for sid in self._buckets[n]:
+                yield sid, n
+
+    def progress(self) -> PoolProgress:
+        return PoolProgress(self._epoch, self.num_epochs, len(self._lengths), self._num_committed,
+                            self._num_claimed, self._tokens_total, self._samples_total)
+
+    # ---- transitions ------------------------------------------------------------------------
+    def claim(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        state, available = self._state, _State.AVAILABLE
+        for sid in ids:
+            if not (0 <= sid < len(state) and state[sid] is available):
+                self._expect(sid, available, "claim")
+        if len(set(ids)) != len(ids):
+            raise PoolStateError(f"claim: duplicate sample ids in {ids}")
+        for sid in ids:
+            n = self._lengths[sid]
+            bucket = self._buckets[n]
+            del bucket[sid]
+            if not bucket:
+                del self._buckets[n]
+                del self._sorted_lens[bisect.bisect_left(self._sorted_lens, n)]
+            state[sid] = _State.CLAIMED
+        self._num_claimed += len(ids)
+
+    def claim_first(self, k: int) -> list[int]:
+        """Claim the first ``k`` samples of :meth:`iter_available` (admission's greedy prefix)."""
+        ids: list[int] = []
+        state, claimed = self._state, _State.CLAIMED
+        while len(ids) < k and self._sorted_lens:
+            n = self._sorted_lens[0]
+            bucket = self._buckets[n]
+            take = list(itertools.islice(bucket, k - len(ids)))
+            for sid in take:
+                del bucket[sid]
+                state[sid] = claimed
+            ids += take
+            if not bucket:
+                del self._buckets[n]
+                self._sorted_lens.pop(0)
+        self._num_claimed += len(ids)
+        return ids
+
+    def release(self, ids: Iterable[int]) -> None:
+        """Return claimed samples to the pool (aborted step, lost backward)."""
+        ids = list(ids)
+        for sid in ids:
+            self._expect(sid, _State.CLAIMED, "release")
+        self._num_claimed -= len(ids)
+        self._fill(ids, shuffle=False)
+
+    def commit(self, ids: Iterable[int]) -> None:
+        """Retire claimed samples whose gradients reached the adapter."""
+        ids = list(ids)
+        for sid in ids:
+            self._expect(sid, _State.CLAIMED, "commit")
+        for sid in ids:
+            self._state[sid] = _State.COMMITTED
+            self._tokens_total += self._lengths[sid]
+        self._num_claimed -= len(ids)
+        self._num_committed += len(ids)
+        self._samples_total += len(ids)
+        if self._num_committed == len(self._lengths):
+            self._next_epoch()
+
+    # ---- persistence ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Progress to checkpoint. Claimed samples are saved as available: their gradients are
+        not in the adapter a checkpoint holds."""
+        return {
+            "epoch": self._epoch,
+            "num_epochs": self.num_epochs,
+            "seed": self.seed,
+            "num_samples": len(self._lengths),
+            "committed": [i for i, s in enumerate(self._state) if s is _State.COMMITTED],
+            "tokens_committed_total": self._tokens_total,
+            "samples_committed_total": self._samples_total,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        require(state["num_samples"] == len(self._lengths), "num_samples", state["num_samples"],
+                f"the checkpoint was made for a dataset of {state['num_samples']} samples, "
+                f"this one has {len(self._lengths)}")
+        self.num_epochs = state["num_epochs"]
+        self.seed = state["seed"]
+        self._epoch = state["epoch"]
+        self._tokens_total = state["tokens_committed_total"]
+        self._samples_total = state["samples_committed_total"]
+        self._state = [_State.AVAILABLE] * len(self._lengths)
+        self._buckets, self._sorted_lens = {}, []
+        self._num_claimed = 0
+        committed = set(state["committed"])
+        for sid in committed:
+            self._state[sid] = _State.COMMITTED
+        self._num_committed = len(committed)
+        if not self.progress().finished:
+            self._fill([i for i in range(len(self._lengths)) if i not in committed])
+
+    # ---- internals --------------------------------------------------------------------------
+    def _expect(self, sid: int, state: _State, action: str) -> None:
+        if not 0 <= sid < len(self._lengths):
+            raise PoolStateError(f"{action}: sample {sid} is not in the pool")
+        if self._state[sid] is not state:
+            raise PoolStateError(f"{action}: sample {sid} is {self._state[sid].name.lower()}, "
+                                 f"expected {state.name.lower()}")
+
+    def _fill(self, ids: Iterable[int], shuffle: bool = True) -> None:
+        ids = list(ids)
+        if shuffle:  # a new epoch: equal-length samples in a seeded order
+            random.Random(self.seed * 1_000_003 + self._epoch).shuffle(ids)
+        for sid in ids:
+            n = self._lengths[sid]
+            self._state[sid] = _State.AVAILABLE
+            bucket = self._buckets.get(n)
+            if bucket is None:
+                bucket = self._buckets[n] = {}
+                bisect.insort(self._sorted_lens, n)
+            bucket[sid] = None
+
+    def _next_epoch(self) -> None:
+        self._epoch += 1
+        if self.num_epochs is not None and self._epoch >= self.num_epochs:
+            return  # finished: every sample stays committed, nothing is available
+        self._num_committed = 0
+        self._fill(range(len(self._lengths)))

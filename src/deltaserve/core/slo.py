@@ -1,0 +1,75 @@
+"""Latency objectives and the time budget Δ that one step may spend.
+
+Δ = min(TTFT slack, TPOT slack):
+
+* TTFT slack (Eq. III) of a waiting request: ``T_ttft − (now − t_arrival) − queue_wait``, where
+  queue wait is the predicted time, after this step, until its first token. Δ takes the
+  tightest waiting request; in FCFS order that is usually the earliest one.
+* TPOT slack: ``T_tpot − (now − t_last_token)`` of the decode request that has waited longest
+  for its next token, less, on a phase-separated host, the decode step this step defers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deltaserve.core.errors import require
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Per-request objectives: time to first token, and the longest gap between two tokens."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.ttft_s) and self.ttft_s > 0, "ttft_s", self.ttft_s,
+                "an SLO must be a finite number of seconds > 0")
+        require(math.isfinite(self.tpot_s) and self.tpot_s > 0, "tpot_s", self.tpot_s,
+                "an SLO must be a finite number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class WaitingRequest:
+    """A request that has no first token yet. ``tokens_after_step``: prompt tokens of this
+    request and of every request ahead of it that remain unprocessed after the proposed step
+    (0: its first token comes out of this step)."""
+
+    arrival_s: float
+    tokens_after_step: int = 0
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """What a step may cost. ``inf`` slack means no request constrains that side."""
+
+    ttft_slack_s: float
+    tpot_slack_s: float
+
+    @property
+    def delta_s(self) -> float:
+        return min(self.ttft_slack_s, self.tpot_slack_s)
+
+
+def ttft_slack_s(slo: SLOConfig, now_s: float, waiting: Sequence[WaitingRequest],
+                 queue_s_per_token: float) -> float:
+    """Tightest Eq. III slack over waiting requests; queue wait priced per remaining token."""
+    if not waiting:
+        return math.inf
+    tightest = min(w.arrival_s - queue_s_per_token * w.tokens_after_step for w in waiting)
+    return slo.ttft_s - now_s + tightest
+
+
+def tpot_slack_s(slo: SLOConfig, now_s: float, oldest_token_s: float | None,
+                 deferred_decode_s: float = 0.0) -> float:
+    """Slack of the decode request that has waited longest for its next token.
+
+    ``deferred_decode_s``: on a phase-separated host, the predicted decode step that must still
+    run after this one before that request gets its token (0 on a mixed host).
+    """
+    if oldest_token_s is None:
+        return math.inf
+    return slo.tpot_s - (now_s - oldest_token_s) - deferred_decode_s

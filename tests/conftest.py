@@ -1,0 +1,44 @@
+"""Shared fixtures. ``shared_data`` is the project's read-only real data (../shared/data)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA} (expected beside the checkout)")
+    return SHARED_DATA
+
+
+def make_word_tokenizer(words: list[str], chat_template: str | None = CHATML):
+    """A whitespace word-level tokenizer with ChatML specials: an independent, tiny stand-in
+    for a model's tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "</s>"]
+    vocab = {w: i for i, w in enumerate(specials + sorted(set(words)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>",
+                                   additional_special_tokens=specials[1:3])
+    fast.chat_template = chat_template
+    return fast
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    words = ("user assistant system Add two numbers . 2 3 5 Say hi hello there reverse abc cba "
+             "What is ? ### User: Response: Instruction").split()
+    return make_word_tokenizer(words)

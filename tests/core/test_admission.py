@@ -1,0 +1,185 @@
+import math
+
+import pytest
+
+from deltaserve.core import (
+    AdmissionConfig,
+    AdmissionMode,
+    AdmissionScheduler,
+    Batching,
+    BufferLedger,
+    HostLimits,
+    InputError,
+    SamplePool,
+    SchedulingView,
+    Skip,
+    SLOConfig,
+    StepShape,
+    WaitingRequest,
+)
+from deltaserve.core.latency_model import LatencyModelConfig, fit_from
+
+# A model fitted exactly (no noise, zero margin): T = 1e-6 Σn² + 1e-3 (T_in+B_d) + 2e-3 T_ft + c
+ALPHA, BETA, GAMMA, C = 1e-6, 1e-3, 2e-3, 0.010
+DEC_BETA, DEC_C = 5e-4, 0.005
+
+
+def exact(s: StepShape) -> float:
+    if s.is_decode_only:
+        return DEC_BETA * s.num_decode + DEC_C
+    return (ALPHA * s.prefill_sq_tokens + BETA * (s.num_prefill_tokens + s.num_decode)
+            + GAMMA * s.num_ft_tokens + C)
+
+
+SHAPES = [StepShape((n,)) for n in (10, 50, 100, 300, 700)] + [
+    StepShape((n, m)) for n, m in ((100, 100), (300, 20), (50, 400))] + [
+    StepShape((n,), num_decode=b).with_ft(f) for n, b, f in
+    ((10, 2, (30,)), (100, 0, (50, 60)), (40, 8, (200,)), (200, 4, (10, 10, 10)))] + [
+    StepShape(ft_lens=f) for f in ((100,), (300, 20))] + [
+    StepShape(num_decode=b) for b in (1, 2, 4, 8, 16, 32, 64)]
+MODEL = fit_from([(s, exact(s)) for s in SHAPES], LatencyModelConfig(margin_floor=0.0))
+SLO = SLOConfig(ttft_s=0.5, tpot_s=0.1)
+LIMITS = HostLimits(max_tokens_per_step=2048, max_seqs_per_step=64, max_model_len=1024,
+                    max_kv_tokens=100_000)
+
+
+def make(lengths=(10, 20, 30, 40), capacity=1000, config=None, limits=LIMITS):
+    pool = SamplePool(list(lengths))
+    ledger = BufferLedger(capacity)
+    sched = AdmissionScheduler(config or AdmissionConfig(), SLO, limits, MODEL, pool, ledger)
+    return sched, pool, ledger
+
+
+def view(proposed=StepShape(), **kw):
+    return SchedulingView(proposed=proposed, now_s=kw.pop("now_s", 100.0), **kw)
+
+
+def test_model_is_exact():
+    assert MODEL.predict_upper(StepShape((123,), num_decode=5).with_ft((77,))) == pytest.approx(
+        exact(StepShape((123,), num_decode=5).with_ft((77,))), rel=1e-6)
+
+
+def test_idle_step_fills_with_shortest_samples_up_to_step_cap():
+    sched, pool, ledger = make(config=AdmissionConfig(max_ft_tokens_per_step=65))
+    plan = sched.plan(view())
+    assert [s.num_tokens for s in plan.samples] == [10, 20, 30]
+    assert plan.skip is Skip.STEP_LIMIT
+    assert plan.shape.ft_lens == (10, 20, 30) and not plan.shape.has_inference
+    assert len(pool) == 1 and ledger.used_tokens == 60
+    assert [s.rows.start for s in plan.samples] == [0, 10, 30]
+
+
+def test_greedy_stops_at_first_sample_that_violates_delta():
+    # one waiting request with 0.2 s of TTFT slack left; prefill of 100 tokens in the step
+    sched, _pool, _ = make(lengths=(10, 20, 30, 40, 5000 // 100))
+    v = view(StepShape((100,)), waiting=(WaitingRequest(arrival_s=99.7),))
+    base = exact(StepShape((100,)))
+    plan = sched.plan(v)
+    assert plan.budget.delta_s == pytest.approx(0.2)
+    chosen = plan.shape.ft_lens
+    assert exact(plan.shape) <= 0.2
+    # the next sample in length order would have crossed Δ
+    nxt = sorted((10, 20, 30, 40, 50))[len(chosen)]
+    assert exact(StepShape((100,)).with_ft((*chosen, nxt))) > 0.2
+    assert plan.skip is Skip.OVER_BUDGET and base < 0.2
+    assert plan.predicted_s == pytest.approx(exact(plan.shape), rel=1e-6)
+
+
+def test_budget_exhausted_by_inference_only_batch():
+    sched, pool, ledger = make()
+    big = StepShape((700,))  # 0.49 + 0.7 + 0.01 s > 0.5 - 0.1 s slack
+    plan = sched.plan(view(big, waiting=(WaitingRequest(arrival_s=99.9),)))
+    assert plan.skip is Skip.BUDGET_EXHAUSTED and plan.samples == ()
+    assert plan.shape == big and len(pool) == 4 and ledger.used_tokens == 0
+
+
+def test_tpot_bounds_a_mixed_host():
+    sched, _, _ = make()
+    v = view(StepShape(num_decode=4), oldest_decode_token_s=99.95)  # 0.05 s of TPOT slack
+    plan = sched.plan(v)
+    assert plan.budget.tpot_slack_s == pytest.approx(0.05)
+    assert exact(plan.shape) <= 0.05 and plan.samples
+
+
+def test_phase_separated_host():
+    limits = HostLimits(2048, 64, 1024, 100_000, Batching.PHASE_SEPARATED)
+    sched, _pool, _ = make(limits=limits)
+    assert sched.plan(view(StepShape(num_decode=8))).skip is Skip.DECODE_ONLY_STEP
+    # a prefill step defers the decode step that follows it: its cost comes off the TPOT slack
+    deferred = StepShape(num_decode=8)
+    v = view(StepShape((50,)), oldest_decode_token_s=99.995, deferred_decode=deferred)
+    plan = sched.plan(v)
+    assert plan.budget.tpot_slack_s == pytest.approx(0.1 - 0.005 - exact(deferred))
+    assert plan.samples and exact(plan.shape) <= plan.budget.delta_s
+
+
+@pytest.mark.parametrize("setup,skip", [
+    ("backward", Skip.BACKWARD_RUNNING), ("full", Skip.BUFFER_FULL), ("empty", Skip.POOL_EMPTY),
+    ("off", Skip.OFF),
+])
+def test_no_admission_cases(setup, skip):
+    cfg = AdmissionConfig(mode=AdmissionMode.OFF) if setup == "off" else None
+    sched, pool, ledger = make(capacity=15 if setup == "full" else 1000, config=cfg)
+    if setup == "full":
+        ledger.reserve(999, 6)  # 9 free rows < shortest sample (10)
+    if setup == "empty":
+        pool.claim([0, 1, 2, 3])
+    plan = sched.plan(view(backward_running=setup == "backward"))
+    assert plan.skip is skip and plan.samples == ()
+
+
+def test_admit_during_backward_ablation():
+    sched, _, _ = make(config=AdmissionConfig(admit_during_backward=True))
+    assert sched.plan(view(backward_running=True)).samples
+
+
+def test_temp_mode_only_in_steps_without_inference():
+    sched, _, _ = make(config=AdmissionConfig(mode=AdmissionMode.TEMP))
+    assert sched.plan(view(StepShape(num_decode=1))).skip is Skip.INFERENCE_PRESENT
+    assert sched.plan(view(StepShape((5,)))).skip is Skip.INFERENCE_PRESENT
+    plan = sched.plan(view())
+    assert plan.shape.ft_lens == (10, 20, 30, 40)
+
+
+def test_buffer_room_limits_admission():
+    sched, _pool, _ledger = make(capacity=35)
+    plan = sched.plan(view())
+    assert plan.shape.ft_lens == (10, 20) and plan.skip is Skip.BUFFER_FULL
+    assert sched.plan(view()).skip is Skip.BUFFER_FULL  # 5 rows left < 30
+
+
+def test_nothing_is_picked_twice():
+    sched, _pool, ledger = make(lengths=[7] * 50, config=AdmissionConfig(max_ft_tokens_per_step=30))
+    seen = []
+    while True:
+        plan = sched.plan(view())
+        if not plan.samples:
+            break
+        seen += [s.sample_id for s in plan.samples]
+    assert sorted(seen) == list(range(50)) or ledger.free_tokens < 7
+    assert len(seen) == len(set(seen))
+
+
+def test_uncalibrated_model_admits_nothing():
+    from deltaserve.core import LatencyModel
+
+    pool, ledger = SamplePool([3]), BufferLedger(10)
+    sched = AdmissionScheduler(AdmissionConfig(), SLO, LIMITS, LatencyModel(), pool, ledger)
+    assert sched.plan(view()).skip is Skip.UNCALIBRATED
+
+
+def test_queue_wait_tightens_ttft():
+    sched, _, _ = make()
+    rate = sched.queue_s_per_token()
+    assert rate == pytest.approx(exact(StepShape((2048,))) / 2048, rel=1e-6)
+    v = view(StepShape((100,)), waiting=(WaitingRequest(99.9, 0), WaitingRequest(99.95, 500)))
+    assert sched.budget(v).ttft_slack_s == pytest.approx(0.5 - 0.05 - 500 * rate)
+    assert math.isinf(sched.budget(view()).delta_s)
+
+
+def test_config_validation():
+    with pytest.raises(InputError) as e:
+        AdmissionConfig(mode="sometimes")
+    assert e.value.field == "mode"
+    with pytest.raises(InputError):
+        AdmissionConfig(max_ft_tokens_per_step=0)

@@ -124,13 +124,13 @@ def test_no_admission_cases(setup, skip):
         ledger.reserve(999, 6)  # 9 free rows < shortest sample (10)
     if setup == "empty":
         pool.claim([0, 1, 2, 3])
-    plan = sched.plan(view(backward_running=setup == "backward"))
+    plan = sched.plan(view(), backward_running=setup == "backward")
     assert plan.skip is skip and plan.samples == ()
 
 
 def test_admit_during_backward_ablation():
     sched, _, _ = make(config=AdmissionConfig(admit_during_backward=True))
-    assert sched.plan(view(backward_running=True)).samples
+    assert sched.plan(view(), backward_running=True).samples
 
 
 def test_temp_mode_only_in_steps_without_inference():
@@ -183,3 +183,11 @@ def test_config_validation():
     assert e.value.field == "mode"
     with pytest.raises(InputError):
         AdmissionConfig(max_ft_tokens_per_step=0)
+
+
+def test_batch_room_lets_only_the_last_sample_overshoot():
+    sched, pool, _ = make(lengths=(10, 20, 30, 40))
+    plan = sched.plan(view(), batch_room_tokens=25)
+    assert plan.shape.ft_lens == (10, 20) and plan.skip is Skip.BUFFER_FULL  # 30 >= 25: stop
+    assert sched.plan(view(), batch_room_tokens=0).skip is Skip.BUFFER_FULL
+    assert len(pool) == 2

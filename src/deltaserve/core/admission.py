@@ -78,7 +78,6 @@ class SchedulingView:
     waiting: tuple[WaitingRequest, ...] = ()
     oldest_decode_token_s: float | None = None
     deferred_decode: StepShape | None = None
-    backward_running: bool = False
 
 
 class AdmittedSample(NamedTuple):
@@ -137,9 +136,19 @@ class AdmissionScheduler:
             tpot_slack_s(self.slo, view.now_s, view.oldest_decode_token_s, deferred),
         )
 
-    def plan(self, view: SchedulingView) -> AdmissionPlan:
+    def plan(self, view: SchedulingView, *, backward_running: bool = False,
+             batch_room_tokens: int | None = None) -> AdmissionPlan:
+        """Admit samples into ``view.proposed``.
+
+        ``backward_running``: the backward process is busy with the previous batch.
+        ``batch_room_tokens``: tokens still missing from the backward batch being filled. A
+        sample may start only while the batch is short (the last one may overshoot), so every
+        sample of a batch is forwarded with the adapter the backward will differentiate.
+        """
         proposed = view.proposed
-        skip = self._precheck(view)
+        skip = self._precheck(view, backward_running)
+        if skip is None and batch_room_tokens is not None and batch_room_tokens <= 0:
+            skip = Skip.BUFFER_FULL
         if skip is not None:
             return AdmissionPlan((), proposed, None, math.nan, skip)
         budget = self.budget(view)
@@ -159,7 +168,11 @@ class AdmissionScheduler:
         sq = tok = 0
         cost = base_s
         stop = Skip.POOL_EMPTY
+        batch_room = math.inf if batch_room_tokens is None else batch_room_tokens
         for sid, n in self.pool.iter_available():
+            if tok >= batch_room:
+                stop = Skip.BUFFER_FULL
+                break
             if tok + n > room_tokens or len(chosen) >= room_seqs:
                 # the buffer's free run and the host's step limits both bound the step
                 stop = Skip.BUFFER_FULL if tok + n > self.ledger.largest_free_run \
@@ -183,11 +196,11 @@ class AdmissionScheduler:
         shape = proposed.with_ft(tuple(n for _, n in chosen))
         return AdmissionPlan(admitted, shape, budget, cost, stop)
 
-    def _precheck(self, view: SchedulingView) -> Skip | None:
+    def _precheck(self, view: SchedulingView, backward_running: bool) -> Skip | None:
         cfg = self.config
         if cfg.mode is AdmissionMode.OFF:
             return Skip.OFF
-        if view.backward_running and not cfg.admit_during_backward:
+        if backward_running and not cfg.admit_during_backward:
             return Skip.BACKWARD_RUNNING
         smallest = self.pool.smallest_available()
         if smallest is None:

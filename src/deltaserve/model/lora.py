@@ -1,0 +1,197 @@
+"""LoRA adapters and multi-LoRA batching.
+
+``AdapterWeights`` keeps every A and B matrix of one adapter in one flat fp32 tensor: sharing it
+between processes is one ``share_memory_()``, publishing an update is one ``copy_``, and an
+optimizer over the flat tensor is element-wise identical to one over the separate matrices.
+
+In a batch, every token goes through the base matmul once; each adapter's low-rank update is then
+applied to its own rows (:class:`LoRAGroup`), never by gathering a full matrix per token.
+LoRA dropout on training rows draws its mask from a generator seeded by (sample, layer, module),
+so the backward process replays exactly the mask the forward used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.core.errors import require
+from deltaserve.model.config import ModelConfig
+
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """PEFT's ``LoraConfig`` knobs that DeltaServe supports (``scaling = alpha / r``)."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self) -> None:
+        require(self.r > 0, "lora_r", self.r, "must be > 0")
+        require(self.alpha > 0, "lora_alpha", self.alpha, "must be > 0")
+        require(0.0 <= self.dropout < 1.0, "lora_dropout", self.dropout, "must be in [0, 1)")
+        require(len(self.target_modules) > 0, "target_modules", self.target_modules,
+                "at least one module")
+        bad = [m for m in self.target_modules if m not in ALL_MODULES]
+        require(not bad, "target_modules", bad, f"unknown; choose from {', '.join(ALL_MODULES)}")
+        require(len(set(self.target_modules)) == len(self.target_modules), "target_modules",
+                self.target_modules, "listed twice")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+def peft_key(layer: int, module: str, which: str) -> str:
+    """The tensor name PEFT uses in ``adapter_model.safetensors``."""
+    block = "self_attn" if module in _ATTN else "mlp"
+    return f"base_model.model.model.layers.{layer}.{block}.{module}.lora_{which}.weight"
+
+
+class AdapterWeights:
+    """A and B of every (layer, target module) as views into one flat fp32 tensor."""
+
+    def __init__(self, model: ModelConfig, lora: LoRAConfig, flat: torch.Tensor | None = None,
+                 device: torch.device | str = "cpu"):
+        self.model_config = model
+        self.config = lora
+        layout: list[tuple[int, str, int, tuple[int, int], int, tuple[int, int]]] = []
+        offset = 0
+        for layer in range(model.num_layers):
+            for module in lora.target_modules:
+                fan_in, fan_out = model.module_dims(module)
+                a_shape, b_shape = (lora.r, fan_in), (fan_out, lora.r)
+                layout.append((layer, module, offset, a_shape, offset + lora.r * fan_in, b_shape))
+                offset += lora.r * fan_in + fan_out * lora.r
+        self.numel = offset
+        if flat is None:
+            flat = torch.zeros(offset, dtype=torch.float32, device=device)
+        require(flat.numel() == offset and flat.dtype == torch.float32, "adapter", flat.shape,
+                f"expected {offset} fp32 values for this model and LoRA config")
+        self.flat = flat
+        self._views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, module, a_off, a_shape, b_off, b_shape in layout:
+            a = flat[a_off: a_off + a_shape[0] * a_shape[1]].view(a_shape)
+            b = flat[b_off: b_off + b_shape[0] * b_shape[1]].view(b_shape)
+            self._views[(layer, module)] = (a, b)
+
+    def has(self, module: str) -> bool:
+        return module in self.config.target_modules
+
+    def a(self, layer: int, module: str) -> torch.Tensor:
+        return self._views[(layer, module)][0]
+
+    def b(self, layer: int, module: str) -> torch.Tensor:
+        return self._views[(layer, module)][1]
+
+    def items(self) -> Iterator[tuple[int, str, torch.Tensor, torch.Tensor]]:
+        for (layer, module), (a, b) in self._views.items():
+            yield layer, module, a, b
+
+    def init_peft_(self, seed: int = 0) -> AdapterWeights:
+        """PEFT's default init: A ~ kaiming-uniform(a=√5), B = 0 (the adapter starts as a no-op)."""
+        gen = torch.Generator(device=self.flat.device).manual_seed(seed)
+        with torch.no_grad():
+            for _, _, a, b in self.items():
+                torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+                b.zero_()
+        return self
+
+    def share_memory_(self) -> AdapterWeights:
+        self.flat.share_memory_()
+        return self
+
+    def clone(self, requires_grad: bool = False) -> AdapterWeights:
+        flat = self.flat.detach().clone().requires_grad_(requires_grad)
+        return AdapterWeights(self.model_config, self.config, flat)
+
+    def to_peft_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for layer, module, a, b in self.items():
+            out[peft_key(layer, module, "A")] = a.detach().clone().contiguous()
+            out[peft_key(layer, module, "B")] = b.detach().clone().contiguous()
+        return out
+
+    def load_peft_state_dict_(self, state: dict[str, torch.Tensor]) -> AdapterWeights:
+        missing = [peft_key(lyr, m, w) for lyr, m, _, _ in self.items() for w in "AB"
+                   if peft_key(lyr, m, w) not in state]
+        require(not missing, "adapter_model.safetensors", missing[:3],
+                "tensors missing for this model and LoRA config")
+        with torch.no_grad():
+            for layer, module, a, b in self.items():
+                for which, dst in (("A", a), ("B", b)):
+                    src = state[peft_key(layer, module, which)]
+                    require(tuple(src.shape) == tuple(dst.shape), peft_key(layer, module, which),
+                            tuple(src.shape), f"expected shape {tuple(dst.shape)}")
+                    dst.copy_(src.to(torch.float32))
+        return self
+
+
+@dataclass(frozen=True)
+class DropoutSegment:
+    """Rows ``[offset, offset + length)`` of a group share one sample's dropout seed."""
+
+    offset: int
+    length: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class LoRAGroup:
+    """Rows of a batch that use ``adapter``; ``rows`` is a slice (contiguous rows) or an index
+    tensor. ``dropout`` > 0 only on training rows, with one seeded segment per sample."""
+
+    adapter: AdapterWeights
+    rows: slice | torch.Tensor
+    dropout: float = 0.0
+    segments: tuple[DropoutSegment, ...] = ()
+
+
+def _mix(seed: int, layer: int, module: str) -> int:
+    return (seed * 1_000_003 + layer * 7_919 + ALL_MODULES.index(module) * 104_729) % (2**63 - 1)
+
+
+def dropout_(x: torch.Tensor, p: float, segments: tuple[DropoutSegment, ...], layer: int,
+             module: str) -> torch.Tensor:
+    """Inverted dropout with a mask replayable from (sample seed, layer, module)."""
+    masks = []
+    for seg in segments:
+        gen = torch.Generator(device=x.device).manual_seed(_mix(seg.seed, layer, module))
+        masks.append(torch.empty((seg.length, x.shape[1]), dtype=x.dtype, device=x.device)
+                     .bernoulli_(1.0 - p, generator=gen))
+    mask = masks[0] if len(masks) == 1 else torch.cat(masks)
+    require(mask.shape[0] == x.shape[0], "dropout segments", [s.length for s in segments],
+            f"cover {mask.shape[0]} rows, the group has {x.shape[0]}")
+    return x * mask / (1.0 - p)
+
+
+def apply_lora(y: torch.Tensor, x: torch.Tensor, groups: tuple[LoRAGroup, ...], layer: int,
+               module: str) -> torch.Tensor:
+    """``y`` (base output) plus each group's ``scaling · B(A(dropout(x)))`` on its rows."""
+    for g in groups:
+        if not g.adapter.has(module):
+            continue
+        a = g.adapter.a(layer, module).to(x.dtype)
+        b = g.adapter.b(layer, module).to(x.dtype)
+        xs = x[g.rows]
+        if g.dropout > 0.0:
+            xs = dropout_(xs, g.dropout, g.segments, layer, module)
+        delta = (xs @ a.t()) @ b.t() * g.adapter.config.scaling
+        if isinstance(g.rows, slice):
+            if g.rows == slice(None) or (g.rows.start in (0, None) and g.rows.stop == len(y)):
+                y = y + delta  # all rows: out of place, so autograd sees a plain add
+            else:
+                y = y.clone() if y.requires_grad else y
+                y[g.rows] += delta
+        else:
+            y = y.index_add(0, g.rows, delta)
+    return y

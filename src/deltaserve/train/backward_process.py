@@ -1,0 +1,99 @@
+"""The parent's handle on the backward process: submit, poll, notice death, restart.
+
+One job is in flight at a time. If the process dies, the in-flight job is reported lost (its
+samples go back to the pool) and a new process starts from the last published adapter and
+optimizer state; inference never waits on any of this.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+
+from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, Stop
+from deltaserve.train.worker import SharedState, WorkerSpec, worker_main
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """The process died with ``job`` in flight."""
+
+    job: BackwardJob
+    exitcode: int | None
+
+
+BackwardEvent = BackwardDone | BackwardFailed | WorkerLost
+
+
+class BackwardProcess:
+    def __init__(self, spec: WorkerSpec, shared: SharedState):
+        self._ctx = mp.get_context("spawn")
+        self.spec = spec
+        self.shared = shared
+        self.grant = self._ctx.Event()
+        self.grant.set()
+        self.layers_done = self._ctx.Value("q", 0, lock=False)
+        self.in_flight: BackwardJob | None = None
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        # Fresh queues: a process killed mid-put can leave a queue's lock held.
+        self._jobs = self._ctx.Queue()
+        self._results = self._ctx.Queue()
+        self.process = self._ctx.Process(
+            target=worker_main, name="deltaserve-backward", daemon=True,
+            args=(self.spec, self.shared, self._jobs, self._results, self.grant,
+                  self.layers_done))
+        self.process.start()
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None
+
+    def submit(self, job: BackwardJob) -> None:
+        if self.in_flight is not None:
+            raise RuntimeError(f"backward step {self.in_flight.step} is still in flight")
+        self.in_flight = job
+        self._jobs.put(job)
+
+    def poll(self, timeout_s: float = 0.0) -> list[BackwardEvent]:
+        """Finished, failed or lost jobs; waits up to ``timeout_s`` for one."""
+        events: list[BackwardEvent] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self._results.get(timeout=max(0.0, deadline - time.monotonic())) \
+                    if timeout_s > 0 and not events else self._results.get_nowait()
+            except queue.Empty:
+                break
+            if self.in_flight is not None and msg.step == self.in_flight.step:
+                self.in_flight = None
+            events.append(msg)
+        if self.in_flight is not None and not self.process.is_alive():
+            lost = WorkerLost(self.in_flight, self.process.exitcode)
+            self.in_flight = None
+            self.restarts += 1
+            self._start()
+            events.append(lost)
+        return events
+
+    def wait(self, timeout_s: float = 600.0) -> list[BackwardEvent]:
+        """Block until the in-flight job (if any) ends."""
+        events: list[BackwardEvent] = []
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight is not None and time.monotonic() < deadline:
+            events += self.poll(timeout_s=0.05)
+        return events
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.grant.set()  # a paused worker must be able to finish to see Stop
+        if self.process.is_alive():
+            self._jobs.put(Stop())
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)

@@ -1,0 +1,60 @@
+"""What crosses the pipe between the co-server and the backward process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JobSample:
+    """One captured sample: its buffer rows, its labels (Hugging Face convention, unshifted)
+    and the seed its LoRA dropout masks were drawn from in the forward."""
+
+    sample_id: int
+    row_start: int
+    labels: tuple[int, ...]
+    dropout_seed: int
+
+    @property
+    def length(self) -> int:
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
+class BackwardJob:
+    """One optimizer step over ``samples`` (loss: mean over their response tokens)."""
+
+    step: int
+    samples: tuple[JobSample, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+
+@dataclass(frozen=True)
+class BackwardDone:
+    """The adapter now holds step ``step``; its samples are committed."""
+
+    step: int
+    sample_ids: tuple[int, ...]
+    num_tokens: int
+    num_loss_tokens: int
+    loss: float
+    grad_norm: float
+    lr: float
+    wall_s: float
+    paused_s: float  # time spent waiting on the grant flag
+
+
+@dataclass(frozen=True)
+class BackwardFailed:
+    """The step raised; the adapter is unchanged and its samples go back to the pool."""
+
+    step: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass

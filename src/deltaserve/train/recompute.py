@@ -1,0 +1,91 @@
+"""Loss and LoRA gradients from saved layer inputs, one decoder layer at a time.
+
+For the last layer, the saved input is recomputed through the layer, the final norm and the LM
+head to the loss; for every earlier layer, the layer is recomputed from its saved input and the
+gradient of its output (the next layer's input) is pushed through it. The LoRA gradients equal a
+normal backward's, provided each layer replays the forward's dropout masks (seeded per sample).
+Only one layer's graph is alive at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.core.data import IGNORE_INDEX
+from deltaserve.model.attention import CausalSegments
+from deltaserve.model.llama import ForwardContext, LlamaModel
+from deltaserve.model.lora import AdapterWeights, DropoutSegment, LoRAGroup
+from deltaserve.train.buffer import ActivationBuffer
+from deltaserve.train.messages import JobSample
+
+# Called before recomputing each layer; blocks while inference holds the grant and returns the
+# seconds it waited.
+GrantWait = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class BackwardStats:
+    loss: float
+    num_loss_tokens: int
+    paused_s: float
+
+
+def shifted_targets(samples: Sequence[JobSample]) -> torch.Tensor:
+    """Position t of each sample predicts its label t+1; a sample's last position predicts
+    nothing."""
+    out: list[int] = []
+    for s in samples:
+        out += [*s.labels[1:], IGNORE_INDEX]
+    return torch.tensor(out, dtype=torch.long)
+
+
+def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: ActivationBuffer,
+                       samples: Sequence[JobSample], dropout: float,
+                       wait_grant: GrantWait | None = None,
+                       on_layer: Callable[[int], None] | None = None) -> BackwardStats:
+    """Accumulate into ``adapter.flat.grad`` the gradient of the mean response-token loss."""
+    device = buffer.residual.device if not buffer.config.offload else model.weights.device
+    lengths = [s.length for s in samples]
+    rows = torch.cat([torch.arange(s.row_start, s.row_start + s.length) for s in samples])
+    segments, offset = [], 0
+    for s in samples:
+        segments.append(DropoutSegment(offset, s.length, s.dropout_seed))
+        offset += s.length
+    targets = shifted_targets(samples).to(device)
+    num_loss_tokens = int((targets != IGNORE_INDEX).sum())
+    if num_loss_tokens == 0:
+        raise ValueError("the batch has no response tokens to learn from")
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+    group = LoRAGroup(adapter, slice(None), dropout, tuple(segments))
+    mlp_saved = None
+    if buffer.config.saves_mlp:
+        def mlp_saved(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (buffer.gate[layer].index_select(0, rows).to(device),
+                    buffer.up[layer].index_select(0, rows).to(device))
+    ctx = ForwardContext(positions, CausalSegments(lengths), (group,), mlp_saved=mlp_saved)
+
+    paused = 0.0
+    grad_out: torch.Tensor | None = None
+    loss_value = 0.0
+    for layer in reversed(range(model.num_layers)):
+        if wait_grant is not None:
+            paused += wait_grant(layer)
+        h = buffer.residual[layer].index_select(0, rows).to(device)
+        h.requires_grad_(layer > 0)
+        out = model.layer(layer, h, ctx)
+        if grad_out is None:  # the last layer: through the head to the loss
+            logits = model.logits(out)
+            loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX,
+                                   reduction="sum") / num_loss_tokens
+            loss.backward()
+            loss_value = float(loss.detach())
+        else:
+            out.backward(grad_out)
+        grad_out = h.grad if layer > 0 else None
+        if on_layer is not None:
+            on_layer(layer)
+    return BackwardStats(loss_value, num_loss_tokens, paused)

@@ -1,0 +1,99 @@
+"""The backward process: a blocking loop over :class:`BackwardJob` messages.
+
+It maps the host's base weights, the shared training adapter, the shared optimizer state and the
+activation buffer (shared memory on CPU, CUDA IPC on GPU), recomputes each job layer by layer,
+clips, steps AdamW on a private copy, then publishes the adapter and optimizer state in place.
+Before every layer it waits on the *grant* flag, which the host clears while a prefill-carrying
+step runs: inference always wins.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltaserve.model.config import ModelConfig
+from deltaserve.model.llama import BaseWeights, LlamaModel
+from deltaserve.model.lora import AdapterWeights, LoRAConfig
+from deltaserve.train.buffer import ActivationBuffer
+from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, Stop
+from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw, export_state
+from deltaserve.train.recompute import layerwise_backward
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    lora: LoRAConfig
+    optimizer: OptimizerConfig
+    num_threads: int = 1
+
+
+@dataclass
+class SharedState:
+    """Everything the backward process maps from its parent."""
+
+    model_config: ModelConfig
+    weights: BaseWeights
+    adapter_flat: torch.Tensor
+    optimizer: OptimizerState
+    buffer: ActivationBuffer
+
+
+def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optimizer,
+            spec: WorkerSpec, shared: SharedState, job: BackwardJob, wait_grant=None,
+            on_layer=None) -> BackwardDone:
+    """One optimizer step; publishes the adapter and optimizer state when it succeeds."""
+    t0 = time.perf_counter()
+    stats = layerwise_backward(model, trainable, shared.buffer, job.samples, spec.lora.dropout,
+                               wait_grant, on_layer)
+    max_norm = spec.optimizer.max_grad_norm
+    if max_norm > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_([trainable.flat], max_norm))
+    else:
+        grad_norm = float(trainable.flat.grad.norm())
+    lr = spec.optimizer.lr_at(job.step)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        shared.adapter_flat.copy_(trainable.flat)
+    export_state(opt, trainable.flat, shared.optimizer)
+    return BackwardDone(job.step, tuple(s.sample_id for s in job.samples), job.num_tokens,
+                        stats.num_loss_tokens, stats.loss, grad_norm, lr,
+                        time.perf_counter() - t0, stats.paused_s)
+
+
+def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, grant: Any,
+                layers_done: Any) -> None:
+    torch.set_num_threads(spec.num_threads)
+    model = LlamaModel(shared.model_config, shared.weights)
+    trainable = AdapterWeights(shared.model_config, spec.lora,
+                               shared.adapter_flat.detach().clone().requires_grad_(True))
+    opt = build_adamw(trainable.flat, spec.optimizer, shared.optimizer)
+
+    def wait_grant(layer: int) -> float:
+        if grant.is_set():
+            return 0.0
+        t = time.perf_counter()
+        grant.wait()
+        return time.perf_counter() - t
+
+    def on_layer(layer: int) -> None:
+        layers_done.value += 1
+
+    while True:
+        msg = jobs.get()
+        if isinstance(msg, Stop):
+            return
+        try:
+            results.put(run_job(model, trainable, opt, spec, shared, msg, wait_grant, on_layer))
+        except Exception:
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():  # the published state is the truth; drop a half-made step
+                trainable.flat.copy_(shared.adapter_flat)
+            results.put(BackwardFailed(msg.step, traceback.format_exc()))

@@ -18,6 +18,7 @@ releases its samples back to the pool, so each is trained exactly once per epoch
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,15 @@ class CoServeConfig:
 
 
 @dataclass(frozen=True)
+class Commit:
+    """An optimizer step as the co-server saw it land (``at_s``: ``time.monotonic()``)."""
+
+    at_s: float
+    epoch: int
+    done: BackwardDone
+
+
+@dataclass(frozen=True)
 class CoServeStats:
     ft_tokens_committed: int
     ft_samples_committed: int
@@ -165,6 +175,7 @@ class CoServer:
         self._skips: Counter[Skip] = Counter()
         self._counts = Counter()
         self._last_loss: float | None = None
+        self.commits: list[Commit] = []
 
     # ---- the host contract ----------------------------------------------------------------
     def plan(self, view: SchedulingView) -> AdmissionPlan:
@@ -291,6 +302,7 @@ class CoServer:
             self._seeds.pop(sid, None)
         self.optimizer_steps = ev.step + 1
         self._last_loss = ev.loss
+        self.commits.append(Commit(time.monotonic(), epoch, ev))
         self.log.write({"step": ev.step, "epoch": epoch, "sample_ids": ids,
                         "num_tokens": ev.num_tokens, "num_loss_tokens": ev.num_loss_tokens,
                         "loss": ev.loss, "grad_norm": ev.grad_norm, "lr": ev.lr,

@@ -1,0 +1,1 @@
+"""Hosts: inference engines DeltaServe attaches to. Each imports its engine lazily."""

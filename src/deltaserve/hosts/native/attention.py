@@ -1,0 +1,94 @@
+"""Paged KV cache and the attention of one mixed step.
+
+Row layout of a step: decode rows, then prefill-chunk rows, then training rows. Inference rows
+write their K/V into the cache; decodes attend over their cached context (gathered by block
+table, padded to the longest); a prefill chunk attends causally over its cached prefix and
+itself; training rows attend only among themselves (they never touch the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.model.attention import causal_attention
+from deltaserve.model.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    def layer_flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_slots, Hkv, D] views of one layer."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    rows: slice  # rows of the step
+    prefix_len: int  # tokens already in the cache before this chunk
+    context_slots: torch.Tensor  # cache slots of positions [0, prefix_len + chunk)
+
+
+@dataclass(frozen=True)
+class StepAttentionMeta:
+    num_inference_rows: int
+    slot_mapping: torch.Tensor  # [num_inference_rows] cache slot of each inference row
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # [B_d, L] slots of each decode's context (padded)
+    decode_mask: torch.Tensor | None  # [B_d, 1, 1, L] True where a slot is real
+    prefills: tuple[PrefillChunk, ...]
+    training_lengths: tuple[int, ...]
+
+
+class PagedAttention:
+    """An :class:`~deltaserve.model.attention.AttentionImpl` over the paged cache."""
+
+    def __init__(self, cache: KVCache, meta: StepAttentionMeta):
+        self.cache = cache
+        self.meta = meta
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> torch.Tensor:
+        m = self.meta
+        n_inf = m.num_inference_rows
+        kc, vc = self.cache.layer_flat(layer)
+        if n_inf:
+            kc.index_copy_(0, m.slot_mapping, k[:n_inf])
+            vc.index_copy_(0, m.slot_mapping, v[:n_inf])
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        if m.num_decodes:
+            b = m.num_decodes
+            keys = kc[m.decode_slots]  # [B, L, Hkv, D]
+            vals = vc[m.decode_slots]
+            o = F.scaled_dot_product_attention(
+                q[:b].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
+                attn_mask=m.decode_mask, enable_gqa=q.shape[1] != k.shape[1])
+            out[:b] = o.squeeze(2).reshape(b, -1)
+        for chunk in m.prefills:
+            qs = q[chunk.rows]
+            if chunk.prefix_len == 0:
+                out[chunk.rows] = causal_attention(qs, k[chunk.rows], v[chunk.rows])
+                continue
+            keys, vals = kc[chunk.context_slots], vc[chunk.context_slots]
+            n, total = qs.shape[0], keys.shape[0]
+            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                vals.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                enable_gqa=q.shape[1] != k.shape[1])
+            out[chunk.rows] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
+        start = n_inf
+        for length in m.training_lengths:
+            rows = slice(start, start + length)
+            out[rows] = causal_attention(q[rows], k[rows], v[rows])
+            start += length
+        return out

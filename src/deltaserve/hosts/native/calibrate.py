@@ -1,0 +1,104 @@
+"""Start-up calibration: the profiling plan run through the engine's real forward path.
+
+Each probe becomes a real batch: synthetic requests that own real KV blocks (their cached
+context is not computed: attention costs the same whatever the cached values are), plus
+training rows on a stand-in training adapter with the co-server's LoRA config and a capture
+copy of the same size. One untimed warm-up run precedes the timed repeats of every probe.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, build_plan
+from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
+from deltaserve.hosts.native.model_runner import TrainingRows
+from deltaserve.hosts.native.request import Request, SamplingParams
+from deltaserve.hosts.native.scheduler import ScheduledBatch, ScheduledItem
+from deltaserve.hosts.native.view import step_shape
+from deltaserve.model.lora import AdapterWeights, DropoutSegment, LoRAConfig, LoRAGroup
+
+
+class _Probe:
+    """The requests of one probe, holding KV blocks until released."""
+
+    def __init__(self, engine, probe: CalibrationProbe, rng: random.Random):
+        self.engine = engine
+        vocab = engine.model.config.vocab_size
+        items: list[ScheduledItem] = []
+        self.requests: list[Request] = []
+        for _ in range(probe.shape.num_decode):
+            kv = probe.kv_per_decode
+            req = Request([rng.randrange(vocab) for _ in range(kv)], SamplingParams())
+            req.output_token_ids = [rng.randrange(vocab)]
+            req.num_computed = kv
+            items.append(self._hold(req, kv + 1, 1))
+        for n in probe.shape.prefill_lens:
+            req = Request([rng.randrange(vocab) for _ in range(probe.prefix_len + n)],
+                          SamplingParams())
+            req.num_computed = probe.prefix_len
+            items.append(self._hold(req, probe.prefix_len + n, n))
+        self.batch = ScheduledBatch(tuple(items))
+
+    def _hold(self, req: Request, tokens: int, n: int) -> ScheduledItem:
+        self.engine.blocks.grow(req, tokens)
+        self.requests.append(req)
+        return ScheduledItem(req, n)
+
+    def release(self) -> None:
+        for req in self.requests:
+            self.engine.blocks.free(req)
+            self.engine.sampler.forget(req.request_id)
+
+
+def _training_rows(model_config, lora: LoRAConfig, ft_lens, rng: random.Random,
+                   adapter: AdapterWeights, scratch: torch.Tensor) -> TrainingRows | None:
+    if not ft_lens:
+        return None
+    vocab = model_config.vocab_size
+    tokens = [[rng.randrange(vocab) for _ in range(n)] for n in ft_lens]
+    segments, offset = [], 0
+    for i, n in enumerate(ft_lens):
+        segments.append(DropoutSegment(offset, n, i))
+        offset += n
+
+    def capture(layer: int, rows: torch.Tensor) -> None:
+        scratch[layer, : rows.shape[0]].copy_(rows)
+
+    return TrainingRows(tokens, lambda rows: LoRAGroup(adapter, rows, lora.dropout,
+                                                       tuple(segments)), capture)
+
+
+def calibrate(engine, lora: LoRAConfig, config: CalibrationConfig | None = None,
+              latency: LatencyModelConfig | None = None, *, seed: int = 0,
+              progress: bool = True) -> LatencyModel:
+    """Time the calibration plan on ``engine`` (which must be idle) and fit a latency model."""
+    if engine.has_unfinished():
+        raise RuntimeError("calibrate an idle engine: requests are in flight")
+    plan = build_plan(engine.limits, config)
+    model = LatencyModel(latency)
+    mc = engine.model.config
+    adapter = AdapterWeights(mc, lora, device=engine.model.weights.device).init_peft_(seed)
+    scratch = torch.empty(mc.num_layers, engine.limits.max_tokens_per_step, mc.hidden_size,
+                          dtype=engine.model.weights.dtype, device=engine.model.weights.device)
+    rng = random.Random(seed)
+    for probe in tqdm(plan, desc="calibrating", unit="probe", disable=not progress):
+        for r in range(probe.repeats + 1):
+            p = _Probe(engine, probe, rng)
+            training = _training_rows(mc, lora, probe.shape.ft_lens, rng, adapter, scratch)
+            try:
+                t0 = time.perf_counter()
+                engine.runner.run(p.batch, training)
+                seconds = time.perf_counter() - t0
+            finally:
+                p.release()
+            if r > 0:  # the first run of a shape warms caches and allocators
+                shape = step_shape(p.batch).with_ft(probe.shape.ft_lens) \
+                    if probe.shape.ft_lens else step_shape(p.batch)
+                model.add_calibration(shape, seconds)
+    model.fit()
+    return model

@@ -1,0 +1,71 @@
+"""Attach co-serving to an embedded engine, and detach it.
+
+    engine = LLMEngine(EngineConfig(model="smollm2"))
+    co = attach(engine, dataset="data.jsonl", slo=SLOConfig(ttft_s=2.0, tpot_s=0.3))
+    ... serve requests (engine.run_loop in a thread, engine.add_request from clients) ...
+    detach(engine)   # trains what was captured, writes a checkpoint, stops the backward
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+
+from deltaserve.core.calibration import CalibrationConfig
+from deltaserve.core.data import DataConfig, TrainingSample, load_dataset
+from deltaserve.core.errors import InputError
+from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.slo import SLOConfig
+from deltaserve.hosts.native.calibrate import calibrate
+from deltaserve.train.coserver import CoServeConfig, CoServer
+
+
+def attach(engine, *, dataset: str | os.PathLike | DataConfig | Sequence[TrainingSample],
+           slo: SLOConfig | None = None, config: CoServeConfig | None = None,
+           latency_model: LatencyModel | str | os.PathLike | None = None,
+           calibration: CalibrationConfig | None = None, progress: bool = True,
+           **overrides) -> CoServer:
+    """Start co-serving on ``engine``.
+
+    ``dataset``: a path (Alpaca JSON/JSONL or chat JSONL), a :class:`DataConfig`, or samples
+    already tokenized. ``config``: a full :class:`CoServeConfig`; otherwise ``slo`` plus any of
+    its fields as keyword overrides (``lora=``, ``optimizer=``, ``admission=``, ...).
+    ``latency_model``: a fitted model or its JSON; by default the engine is calibrated now.
+    """
+    if engine.coserver is not None:
+        raise InputError("coserver", "attached", "detach the current co-server first")
+    if config is None:
+        if slo is None:
+            raise InputError("slo", None, "give an SLO (ttft_s, tpot_s) or a full config")
+        config = CoServeConfig(slo=slo, **overrides)
+    elif overrides:
+        config = replace(config, **overrides)
+    if isinstance(dataset, (str, os.PathLike)):
+        dataset = DataConfig(os.fspath(dataset), max_tokens=engine.limits.max_tokens_per_step)
+    if isinstance(dataset, DataConfig):
+        if engine.tokenizer is None:
+            raise InputError("dataset", dataset.path, "tokenizing needs the model's tokenizer")
+        samples, _ = load_dataset(dataset, engine.tokenizer)
+    else:
+        samples = list(dataset)
+    if isinstance(latency_model, (str, os.PathLike)):
+        latency_model = LatencyModel.load(latency_model)
+    if latency_model is None:
+        latency_model = calibrate(engine, config.lora, calibration, config.latency,
+                                  seed=config.seed, progress=progress)
+    engine.latency_model = latency_model
+    co = CoServer(config, engine.limits, engine.model, samples, base_model=engine.model_path,
+                  latency_model=latency_model)
+    engine.coserver = co
+    return co
+
+
+def detach(engine, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:
+    """Stop co-serving: train what was captured (``drain``), checkpoint, stop the backward."""
+    co = engine.coserver
+    if co is None:
+        return None
+    engine.coserver = None
+    co.close(drain=drain, checkpoint=checkpoint)
+    return co

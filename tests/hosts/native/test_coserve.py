@@ -1,0 +1,185 @@
+"""Co-serving on the embedded engine, end to end (tiny model, real backward process)."""
+
+import threading
+import time
+
+import pytest
+
+from deltaserve.core import AdmissionConfig, CalibrationConfig, SLOConfig, StepShape
+from deltaserve.core.admission import Skip
+from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
+from deltaserve.hosts.native.coserve import attach, detach
+from deltaserve.model import LoRAConfig
+from tests.hosts.native.test_engine import prompts
+from tests.tiny import hf_tiny_llama
+from tests.train import fixtures as fx
+
+SMALL_CAL = CalibrationConfig(decode_batches=(1, 4, 8), decode_kv_lens=(16, 64),
+                              ft_totals=(32, 64), repeats=2, split_total=64, max_split=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    hf_tiny_llama(seed=13, num_hidden_layers=8).save_pretrained(path)
+    return path
+
+
+def engine(path):
+    return LLMEngine(EngineConfig(model=str(path), max_num_seqs=16, max_num_batched_tokens=128,
+                                  block_size=8, kv_cache_tokens=4096, max_model_len=256))
+
+
+def coserve(eng, slo=SLOConfig(5.0, 5.0), n_samples=40, **kw):
+    return attach(eng, dataset=fx.samples(n_samples), slo=slo, calibration=SMALL_CAL,
+                  progress=False, lora=LoRAConfig(r=4, alpha=8), backward_batch_tokens=64,
+                  **kw)
+
+
+def replay(eng, ps, gap_s, params):
+    """Open loop: requests at fixed intervals while the engine loop runs in a thread."""
+    stop = threading.Event()
+    loop = threading.Thread(target=eng.run_loop, args=(stop,), daemon=True)
+    loop.start()
+    ids = []
+    for p in ps:
+        ids.append(eng.add_request(p, params))
+        time.sleep(gap_s)
+    while eng.has_unfinished():
+        time.sleep(0.01)
+    stop.set()
+    loop.join()
+    return [eng.pop_finished(i) for i in ids]
+
+
+def test_outputs_identical_with_and_without_coserving(tiny):
+    ps = prompts(100, seed=5)
+    params = SamplingParams(max_tokens=8)
+    base = [o.output_token_ids for o in replay(engine(tiny), ps, 0.002, params)]
+    eng = engine(tiny)
+    eng.record_steps = True
+    co = coserve(eng)
+    try:
+        outs = replay(eng, ps, 0.002, params)
+        co.drain()
+        assert [o.output_token_ids for o in outs] == base
+        ids = {o.request_id for o in outs}
+        assert len(ids) == 100 and all(i.startswith("req-") for i in ids)
+        assert len(eng._requests) == 0  # nothing but the 100 client requests ever finished
+        stats = co.stats()
+        assert stats.ft_tokens_committed > 0 and stats.optimizer_steps > 0
+        assert any(r.ft_tokens and r.shape.has_inference for r in eng.step_log)  # mixed steps
+    finally:
+        detach(eng, drain=False, checkpoint=False)
+
+
+def test_light_load_meets_slo_and_trains(tiny):
+    eng = engine(tiny)
+    co = coserve(eng, slo=SLOConfig(ttft_s=1.0, tpot_s=0.5))
+    try:
+        outs = replay(eng, prompts(20, seed=6), 0.05, SamplingParams(max_tokens=6))
+        for o in outs:
+            assert o.first_token_s - o.arrival_s <= 1.0
+            gaps = [b - a for a, b in zip(o.token_times_s, o.token_times_s[1:])]
+            assert max(gaps, default=0) <= 0.5
+        deadline = time.monotonic() + 60
+        while co.stats().optimizer_steps < 2 and time.monotonic() < deadline:
+            eng.step() or co.poll(timeout_s=0.05)
+        assert co.stats().ft_tokens_committed > 0
+    finally:
+        detach(eng, drain=False, checkpoint=False)
+
+
+def test_overload_admits_nothing_while_inference_continues(tiny):
+    eng = engine(tiny)
+    co = coserve(eng, slo=SLOConfig(ttft_s=0.02, tpot_s=0.001))
+    try:
+        for p in prompts(60, seed=7):
+            eng.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True))
+        time.sleep(0.05)  # every request is already past its TTFT objective
+        eng.record_steps = True
+        while eng.has_unfinished():
+            eng.step()
+        assert all(r.ft_tokens == 0 for r in eng.step_log if r.shape.has_inference)
+        assert co.stats().skips.get(Skip.BUDGET_EXHAUSTED, 0) > 0
+        assert len(eng._requests) == 60
+    finally:
+        detach(eng, drain=False, checkpoint=False)
+
+
+def test_arrival_aborts_training_only_step_within_one_layer(tiny):
+    eng = engine(tiny)
+    co = coserve(eng, admission=AdmissionConfig(max_ft_tokens_per_step=128), n_samples=12)
+    arrival_layer = 3
+    capture = co.capture
+    arrived: list[int] = []
+
+    def capture_and_arrive(layer, rows):
+        capture(layer, rows)
+        if layer == arrival_layer and not arrived:  # a client request lands mid-step
+            arrived.append(layer)
+            eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+
+    co.capture = capture_and_arrive
+    eng.record_steps = True
+    try:
+        assert eng.step()  # idle engine: a training-only step, aborted by the arrival
+        rec = eng.step_log[-1]
+        assert rec.aborted and not rec.shape.has_inference
+        assert co.stats().aborted_steps == 1
+        # the engine's next step schedules the request
+        assert eng.step() and eng.step_log[-1].shape.has_inference
+        # the aborted samples went back to the pool and are trained later, exactly once
+        co.capture = capture
+        while eng.has_unfinished():
+            eng.step()
+        while not co.pool.progress().finished:
+            if not eng.step():
+                co.poll(timeout_s=0.05)
+                if not co.backward_busy:
+                    co.drain()
+        committed = [i for c in co.commits for i in c.done.sample_ids]
+        assert sorted(committed) == list(range(12))
+    finally:
+        detach(eng, drain=False, checkpoint=False)
+
+
+def test_abort_is_measured_in_layers(tiny):
+    """The layer at which the step stopped is the one after the arrival."""
+    eng = engine(tiny)
+    co = coserve(eng, n_samples=12)
+    seen = []
+    orig = co.should_abort
+
+    def should_abort():
+        verdict = orig()
+        seen.append((eng.runner.current_layer, verdict))
+        return verdict
+
+    co.should_abort = should_abort
+    capture = co.capture
+
+    def capture_and_arrive(layer, rows):
+        capture(layer, rows)
+        if layer == 5:
+            co.on_arrival()
+
+    co.capture = capture_and_arrive
+    try:
+        eng.record_steps = True
+        eng.step()
+        assert eng.step_log[-1].aborted
+        assert seen[-1] == (6, True) and all(not v for _, v in seen[:-1])
+    finally:
+        detach(eng, drain=False, checkpoint=False)
+
+
+def test_calibration_reports_error(tiny):
+    eng = engine(tiny)
+    co = coserve(eng)
+    try:
+        q = eng.latency_model.quality()
+        assert q and all(f.num_points > 0 and f.mape >= 0 for f in q)
+        assert eng.latency_model.predict(StepShape((64,))) > 0
+    finally:
+        detach(eng, drain=False, checkpoint=False)

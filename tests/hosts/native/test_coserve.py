@@ -1,5 +1,6 @@
 """Co-serving on the embedded engine, end to end (tiny model, real backward process)."""
 
+import itertools
 import threading
 import time
 
@@ -80,7 +81,7 @@ def test_light_load_meets_slo_and_trains(tiny):
         outs = replay(eng, prompts(20, seed=6), 0.05, SamplingParams(max_tokens=6))
         for o in outs:
             assert o.first_token_s - o.arrival_s <= 1.0
-            gaps = [b - a for a, b in zip(o.token_times_s, o.token_times_s[1:])]
+            gaps = [b - a for a, b in itertools.pairwise(o.token_times_s)]
             assert max(gaps, default=0) <= 0.5
         deadline = time.monotonic() + 60
         while co.stats().optimizer_steps < 2 and time.monotonic() < deadline:
@@ -176,7 +177,7 @@ def test_abort_is_measured_in_layers(tiny):
 
 def test_calibration_reports_error(tiny):
     eng = engine(tiny)
-    co = coserve(eng)
+    coserve(eng)
     try:
         q = eng.latency_model.quality()
         assert q and all(f.num_points > 0 and f.mape >= 0 for f in q)

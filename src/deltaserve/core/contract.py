@@ -44,6 +44,18 @@ class StepReport:
     layers_run: int | None = None
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One executed step as a host logs it for timelines (``t_s``: its end, on
+    ``time.monotonic()``; ``ft_tokens``: fine-tuning tokens it carried)."""
+
+    t_s: float
+    shape: StepShape
+    seconds: float
+    ft_tokens: int
+    aborted: bool
+
+
 @runtime_checkable
 class CoServingHooks(Protocol):
     """What a host calls. Mirrors the four hook points of the design."""

@@ -11,13 +11,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from deltaserve.core.calibration import Batching, HostLimits
-from deltaserve.core.contract import StepReport
+from deltaserve.core.contract import StepRecord, StepReport
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.shape import ExecMode, StepShape
@@ -40,17 +39,6 @@ from deltaserve.model.llama import LlamaModel
 from deltaserve.model.loading import load_tokenizer, load_weights, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One executed step, for throughput timelines (``t_s``: end, ``time.monotonic()``)."""
-
-    t_s: float
-    shape: StepShape
-    seconds: float
-    ft_tokens: int
-    aborted: bool
 
 
 class LLMEngine:

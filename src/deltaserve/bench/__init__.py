@@ -1,0 +1,1 @@
+"""Trace replay, the compared systems, metrics and the evaluation report."""

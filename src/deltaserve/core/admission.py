@@ -118,6 +118,10 @@ class AdmissionScheduler:
         self.ledger = ledger
         self._queue_rate: tuple[int, float] = (-1, math.inf)
 
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """A step ran. Algorithm 1 learns through the latency model; other policies (the
+        LLMStation baseline's latency cache) override this."""
+
     def queue_s_per_token(self) -> float:
         """Predicted seconds per queued prompt token at full steps (cached per model fit)."""
         version, rate = self._queue_rate
@@ -187,6 +191,12 @@ class AdmissionScheduler:
         if not chosen:
             return AdmissionPlan((), proposed, budget, base_s, stop)
 
+        return self._admit(proposed, chosen, budget, cost, stop)
+
+    def _admit(self, proposed: StepShape, chosen: list[tuple[int, int]],
+               budget: StepBudget | None, cost: float, stop: Skip) -> AdmissionPlan:
+        """Claim ``chosen`` (a prefix of the pool's candidate order) and reserve their rows as
+        one contiguous run."""
         claimed = self.pool.claim_first(len(chosen))
         assert claimed == [sid for sid, _ in chosen]
         spans = self.ledger.reserve_many(chosen)

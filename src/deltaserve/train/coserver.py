@@ -121,7 +121,8 @@ class CoServer:
     def __init__(self, config: CoServeConfig, limits: HostLimits, model: LlamaModel,
                  samples: Sequence[TrainingSample], *, base_model: str,
                  latency_model: LatencyModel | None = None,
-                 on_publish: Callable[[AdapterWeights], None] | None = None):
+                 on_publish: Callable[[AdapterWeights], None] | None = None,
+                 scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler):
         longest = max(s.num_tokens for s in samples) if samples else 0
         cap = config.buffer_tokens or config.backward_batch_tokens + longest
         require(longest <= cap, "buffer_tokens", cap, f"cannot hold the longest sample "
@@ -149,8 +150,8 @@ class CoServer:
                                                     config.buffer_offload),
                                        model.config, model.weights.dtype, device)
         self.latency = latency_model or LatencyModel(config.latency)
-        self.scheduler = AdmissionScheduler(config.admission, config.slo, limits, self.latency,
-                                            self.pool, self.ledger)
+        self.scheduler = scheduler_cls(config.admission, config.slo, limits, self.latency,
+                                       self.pool, self.ledger)
         self.log = TrainingLog(
             f"{config.checkpoint.root}/train_log.jsonl" if config.checkpoint.root else None)
         self.optimizer_steps = 0
@@ -221,6 +222,7 @@ class CoServer:
         else:
             if not report.shape.is_empty:
                 self.latency.observe(report.shape, report.seconds)
+                self.scheduler.observe(report.shape, report.seconds)
             for s in plan.samples:
                 self._ready.append(JobSample(s.sample_id, s.rows.start,
                                              self.samples[s.sample_id].labels,

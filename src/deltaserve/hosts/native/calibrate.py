@@ -3,12 +3,14 @@
 Each probe becomes a real batch: synthetic requests that own real KV blocks (their cached
 context is not computed: attention costs the same whatever the cached values are), plus
 training rows on a stand-in training adapter with the co-server's LoRA config and a capture
-copy of the same size. One untimed warm-up run precedes the timed repeats of every probe.
+copy of the same size. One untimed warm-up run precedes the timed repeats of every probe; the
+probe's observation is the median of its repeats.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 import torch
@@ -87,6 +89,7 @@ def calibrate(engine, lora: LoRAConfig, config: CalibrationConfig | None = None,
                           dtype=engine.model.weights.dtype, device=engine.model.weights.device)
     rng = random.Random(seed)
     for probe in tqdm(plan, desc="calibrating", unit="probe", disable=not progress):
+        times, shape = [], None
         for r in range(probe.repeats + 1):
             p = _Probe(engine, probe, rng)
             training = _training_rows(mc, lora, probe.shape.ft_lens, rng, adapter, scratch)
@@ -97,8 +100,10 @@ def calibrate(engine, lora: LoRAConfig, config: CalibrationConfig | None = None,
             finally:
                 p.release()
             if r > 0:  # the first run of a shape warms caches and allocators
+                times.append(seconds)
                 shape = step_shape(p.batch).with_ft(probe.shape.ft_lens) \
                     if probe.shape.ft_lens else step_shape(p.batch)
-                model.add_calibration(shape, seconds)
+        # the median of the repeats: one slow run (another process on the core) is not the shape
+        model.add_calibration(shape, statistics.median(times))
     model.fit()
     return model

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import replace
 
+from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import CalibrationConfig
 from deltaserve.core.data import DataConfig, TrainingSample, load_dataset
 from deltaserve.core.errors import InputError
@@ -25,6 +26,7 @@ def attach(engine, *, dataset: str | os.PathLike | DataConfig | Sequence[Trainin
            slo: SLOConfig | None = None, config: CoServeConfig | None = None,
            latency_model: LatencyModel | str | os.PathLike | None = None,
            calibration: CalibrationConfig | None = None, progress: bool = True,
+           scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
            **overrides) -> CoServer:
     """Start co-serving on ``engine``.
 
@@ -32,6 +34,7 @@ def attach(engine, *, dataset: str | os.PathLike | DataConfig | Sequence[Trainin
     already tokenized. ``config``: a full :class:`CoServeConfig`; otherwise ``slo`` plus any of
     its fields as keyword overrides (``lora=``, ``optimizer=``, ``admission=``, ...).
     ``latency_model``: a fitted model or its JSON; by default the engine is calibrated now.
+    ``scheduler_cls``: the admission policy (Algorithm 1; baselines substitute their own).
     """
     if engine.coserver is not None:
         raise InputError("coserver", "attached", "detach the current co-server first")
@@ -56,7 +59,7 @@ def attach(engine, *, dataset: str | os.PathLike | DataConfig | Sequence[Trainin
                                   seed=config.seed, progress=progress)
     engine.latency_model = latency_model
     co = CoServer(config, engine.limits, engine.model, samples, base_model=engine.model_path,
-                  latency_model=latency_model)
+                  latency_model=latency_model, scheduler_cls=scheduler_cls)
     engine.coserver = co
     return co
 

@@ -1,0 +1,130 @@
+"""Open-loop trace replay: every request is sent at its scheduled time, whatever the server's
+state, and every token's time is recorded.
+
+TTFT is measured from the *scheduled* arrival, so a client that could not send on time (the
+server process was busy) counts against the server, as a real client would see it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from deltaserve.bench.host import ServingHost
+from deltaserve.core.contract import StepRecord
+from deltaserve.hosts.native.request import RequestOutput, SamplingParams
+from deltaserve.workloads.trace import Trace
+
+
+class PromptSource:
+    """Real text as one token stream; a prompt of n tokens is a slice of it, so prompts are
+    real language of exactly the length the trace asks for."""
+
+    def __init__(self, token_stream: Sequence[int]):
+        if len(token_stream) < 64:
+            raise ValueError("the prompt text is too short to cut prompts from")
+        self.stream = list(token_stream)
+
+    @classmethod
+    def from_texts(cls, tokenizer, texts: Sequence[str], max_tokens: int = 200_000
+                   ) -> PromptSource:
+        stream: list[int] = []
+        for text in texts:
+            stream += tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]
+            if len(stream) >= max_tokens:
+                break
+        return cls(stream)
+
+    def prompt(self, index: int, num_tokens: int) -> list[int]:
+        """``num_tokens`` tokens from a position set by ``index`` (wrapping around)."""
+        pos = (index * 7919) % len(self.stream)
+        out: list[int] = []
+        while len(out) < num_tokens:
+            take = min(num_tokens - len(out), len(self.stream) - pos)
+            out += self.stream[pos:pos + take]
+            pos = 0
+        return out
+
+
+@dataclass
+class RequestRecord:
+    """One replayed request; times are seconds on ``time.monotonic()``."""
+
+    index: int
+    scheduled_s: float
+    prompt_tokens: int
+    output_tokens: int
+    token_times_s: tuple[float, ...] = ()
+    finished: bool = False
+
+    def on_token(self, out: RequestOutput) -> None:
+        self.token_times_s = out.token_times_s
+        self.finished = out.finished
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.scheduled_s if self.token_times_s else None
+
+    @property
+    def max_tpot_s(self) -> float:
+        """The longest gap between two consecutive tokens (0 with fewer than two)."""
+        return max((b - a for a, b in itertools.pairwise(self.token_times_s)), default=0.0)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return self.token_times_s[-1] - self.scheduled_s if self.finished else None
+
+
+@dataclass
+class ReplayResult:
+    records: list[RequestRecord]
+    start_s: float
+    end_s: float
+    trace_duration_s: float
+    steps: list[StepRecord] = field(default_factory=list)
+    timed_out: bool = False
+
+    @property
+    def wall_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def replay(host: ServingHost, trace: Trace, prompts: PromptSource, *, label: str = "replay",
+           drain_timeout_s: float = 300.0, progress: bool = True) -> ReplayResult:
+    """Send ``trace`` to ``host`` (whose loop runs in a thread meanwhile) and wait until every
+    request finished or ``drain_timeout_s`` passed after the last arrival."""
+    records = [RequestRecord(i, 0.0, r.prompt_tokens, r.output_tokens)
+               for i, r in enumerate(trace.requests)]
+    host.record_steps = True
+    host.step_log.clear()
+    stop = threading.Event()
+    loop = threading.Thread(target=host.run_loop, args=(stop,), name="engine", daemon=True)
+    loop.start()
+    bar = tqdm(total=len(records), desc=label, unit="req", disable=not progress,
+               dynamic_ncols=True)
+    start = time.monotonic() + 0.2
+    try:
+        for rec, req in zip(records, trace.requests, strict=True):
+            rec.scheduled_s = start + req.arrival_s
+            delay = rec.scheduled_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            host.add_request(prompts.prompt(rec.index, rec.prompt_tokens),
+                             SamplingParams(max_tokens=rec.output_tokens, ignore_eos=True),
+                             callback=rec.on_token)
+            bar.update(1)
+        deadline = time.monotonic() + drain_timeout_s
+        while host.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        timed_out = host.has_unfinished()
+        end = time.monotonic()
+    finally:
+        stop.set()
+        loop.join()
+        bar.close()
+    return ReplayResult(records, start, end, trace.duration_s, list(host.step_log), timed_out)

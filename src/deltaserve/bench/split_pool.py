@@ -1,0 +1,127 @@
+"""The split-pool baseline's trainer, and the standalone training throughput of a machine.
+
+A standalone PEFT + torch AdamW trainer in its own process on its own share of the machine
+(here: its own CPU threads), training the same samples in the same batch size, with no
+coordination with inference. It reports each optimizer step as it lands.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from deltaserve.core.data import IGNORE_INDEX, TrainingSample
+from deltaserve.model.lora import LoRAConfig
+from deltaserve.train.optim import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class TrainerStep:
+    at_s: float  # time.monotonic(): shared by the processes of one machine
+    num_tokens: int
+    num_samples: int
+    loss: float
+
+
+def _batches(samples: Sequence[TrainingSample], batch_tokens: int):
+    while True:
+        batch, n = [], 0
+        for s in samples:
+            batch.append(s)
+            n += s.num_tokens
+            if n >= batch_tokens:
+                yield batch
+                batch, n = [], 0
+        if batch:
+            yield batch
+
+
+def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
+                 optimizer: OptimizerConfig, batch_tokens: int, threads: int, steps, stop,
+                 ready) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+        LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                   target_modules=list(lora.target_modules)))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
+                            betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps)
+    ready.set()
+    for batch in _batches(samples, batch_tokens):
+        if stop.is_set():
+            return
+        n = max(s.num_tokens for s in batch)
+        pad = [n - s.num_tokens for s in batch]
+        rows = list(zip(batch, pad, strict=True))
+        out = model(input_ids=torch.tensor([list(s.input_ids) + [0] * p for s, p in rows]),
+                    attention_mask=torch.tensor([[1] * s.num_tokens + [0] * p for s, p in rows]),
+                    labels=torch.tensor([list(s.labels) + [IGNORE_INDEX] * p for s, p in rows]))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, optimizer.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        steps.put(TrainerStep(time.monotonic(), sum(s.num_tokens for s in batch), len(batch),
+                              float(out.loss.detach())))
+
+
+class StandaloneTrainer:
+    """A trainer process; ``start`` returns once its model is loaded."""
+
+    def __init__(self, model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
+                 optimizer: OptimizerConfig, batch_tokens: int, threads: int):
+        ctx = mp.get_context("spawn")
+        self._steps = ctx.Queue()
+        self._stop = ctx.Event()
+        self._ready = ctx.Event()
+        self._proc = ctx.Process(target=trainer_main, daemon=True, name="split-pool-trainer",
+                                 args=(model_path, list(samples), lora, optimizer, batch_tokens,
+                                       threads, self._steps, self._stop, self._ready))
+        self.steps: list[TrainerStep] = []
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self._proc.start()
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError("the standalone trainer did not start")
+
+    def collect(self) -> list[TrainerStep]:
+        while True:
+            try:
+                self.steps.append(self._steps.get_nowait())
+            except queue.Empty:
+                return self.steps
+
+    def stop(self) -> list[TrainerStep]:
+        self._stop.set()
+        self._proc.join(120)
+        if self._proc.is_alive():
+            self._proc.kill()
+        return self.collect()
+
+
+def standalone_tokens_per_s(model_path: str, samples: Sequence[TrainingSample],
+                            lora: LoRAConfig, optimizer: OptimizerConfig, batch_tokens: int,
+                            threads: int, seconds: float) -> float:
+    """Training tokens/s of a trainer that has ``threads`` to itself, measured over
+    ``seconds`` after its first step (which pays one-time costs)."""
+    trainer = StandaloneTrainer(model_path, samples, lora, optimizer, batch_tokens, threads)
+    trainer.start()
+    deadline = time.monotonic() + seconds + 120
+    while len(trainer.collect()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = trainer.steps[0].at_s if trainer.steps else time.monotonic()
+    while time.monotonic() < t0 + seconds:
+        time.sleep(0.1)
+    steps = [s for s in trainer.stop() if s.at_s > t0]
+    if not steps:
+        return 0.0
+    return sum(s.num_tokens for s in steps) / (steps[-1].at_s - t0)

@@ -1,0 +1,34 @@
+import pytest
+
+from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.llmstation import LLMStationScheduler
+from deltaserve.bench.systems import SYSTEMS, parse_systems
+from deltaserve.cli import main
+from deltaserve.core import AdmissionMode, InputError
+
+
+def test_parse_systems():
+    specs = parse_systems("inference-only,deltaserve-temp,llmstation,split-pool")
+    assert [s.name for s in specs] == ["inference-only", "deltaserve-temp", "llmstation",
+                                       "split-pool"]
+    assert not specs[0].coserve and specs[1].mode is AdmissionMode.TEMP
+    assert specs[2].scheduler_cls is LLMStationScheduler and specs[3].split_pool
+    assert len(parse_systems(",".join(SYSTEMS))) == 6
+    with pytest.raises(InputError):
+        parse_systems("deltaserve,s-lora")
+    with pytest.raises(InputError):
+        parse_systems("deltaserve,deltaserve")
+
+
+def test_bench_config_validation():
+    with pytest.raises(InputError) as e:
+        BenchConfig(ttft_slo_ms=0)
+    assert e.value.field == "ttft_slo_ms"
+    with pytest.raises(InputError):
+        BenchConfig(max_prompt_tokens=1000, max_output_tokens=100, max_model_len=1024)
+
+
+def test_cli_reports_bad_input_as_an_error(capsys):
+    assert main(["bench", "--ttft-slo-ms", "-5"]) == 2
+    assert "ttft_slo_ms" in capsys.readouterr().err
+    assert main(["bench", "--systems", "nope", "--out", "/tmp/deltaserve-cli-test"]) == 2

@@ -38,7 +38,7 @@ class BenchConfig:
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.05
-    grant_policy: str = "prefill"
+    grant_policy: str = "auto"
     calibration_file: str | None = None
     standalone_seconds: float = 20.0
     heldout: int = 60

@@ -25,6 +25,7 @@ from deltaserve.bench.split_pool import StandaloneTrainer, standalone_tokens_per
 from deltaserve.bench.systems import SystemSpec, parse_systems
 from deltaserve.core import synthetic_task
 from deltaserve.core.admission import AdmissionConfig
+from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
 from deltaserve.core.data import DataConfig, load_dataset, read_conversations
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.slo import SLOConfig
@@ -115,6 +116,14 @@ def run_system(cfg: BenchConfig, spec: SystemSpec, trace: Trace, prompts: Prompt
         kit.close()
 
 
+def calibration_config(cfg: BenchConfig) -> CalibrationConfig:
+    """Probe the region the trace will use: decode contexts up to a long prompt plus output."""
+    longest = cfg.max_prompt_tokens + cfg.max_output_tokens
+    kv = tuple(sorted({min(k, longest) for k in (32, 128, 384, longest)}))
+    return CalibrationConfig(decode_kv_lens=kv, decode_batches=(1, 2, 4, 8, 16, 24, 32),
+                             ft_totals=(32, 64, 128, 256))
+
+
 def _calibrate(cfg: BenchConfig, out: Path, threads: int) -> Path:
     path = out / "latency_model.json"
     if cfg.calibration_file:
@@ -126,11 +135,11 @@ def _calibrate(cfg: BenchConfig, out: Path, threads: int) -> Path:
 
         lora = LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
         if cfg.host == "native":
-            lm = calibrate(kit.host, lora, progress=cfg.progress)
+            lm = calibrate(kit.host, lora, calibration_config(cfg), progress=cfg.progress)
         else:
             from deltaserve.hosts.vllm.calibrate import calibrate as vllm_calibrate
 
-            lm = vllm_calibrate(kit.host, lora, progress=cfg.progress)
+            lm = vllm_calibrate(kit.host, lora, calibration_config(cfg), progress=cfg.progress)
         lm.save(path)
     finally:
         kit.close()
@@ -195,8 +204,6 @@ def run_bench(cfg: BenchConfig) -> dict:
         raw = raw.window(0, cfg.duration_s)
     sized = raw.scale_lengths(cfg.length_scale, max_prompt=cfg.max_prompt_tokens,
                               max_output=cfg.max_output_tokens, max_total=cfg.max_model_len)
-    from deltaserve.core.calibration import Batching, HostLimits
-
     limits = HostLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
                         cfg.kv_cache_tokens, Batching.MIXED)
     if cfg.rate_scale is not None:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -78,17 +78,17 @@ class CoServeConfig:
     interrupt: bool = True
     num_epochs: int | None = 1
     seed: int = 0
-    backward_threads: int = 1
-    grant_policy: str = "prefill"
+    backward_threads: int | None = None
+    grant_policy: str = "auto"
 
     def __post_init__(self) -> None:
         require(self.backward_batch_tokens > 0, "backward_batch_tokens",
                 self.backward_batch_tokens, "must be > 0")
         require(self.buffer_tokens is None or self.buffer_tokens > 0, "buffer_tokens",
                 self.buffer_tokens, "must be > 0")
-        require(self.backward_threads >= 1, "backward_threads", self.backward_threads,
-                "must be >= 1")
-        require_choice("grant_policy", self.grant_policy, ("prefill", "inference"))
+        require(self.backward_threads is None or self.backward_threads >= 1, "backward_threads",
+                self.backward_threads, "must be >= 1")
+        require_choice("grant_policy", self.grant_policy, ("auto", "prefill", "inference"))
         require(self.num_epochs is None or self.num_epochs >= 1, "num_epochs", self.num_epochs,
                 "must be >= 1")
 
@@ -131,6 +131,12 @@ class CoServer:
                 f"a sample must fit one step of {limits.max_tokens_per_step} tokens")
         require(longest <= limits.max_model_len, "max_tokens", longest,
                 f"a sample must fit the model's context of {limits.max_model_len}")
+        if config.grant_policy == "auto":
+            on_gpu = model.weights.device.type == "cuda"
+            config = replace(config, grant_policy="prefill" if on_gpu else "inference")
+        if config.backward_threads is None:
+            config = replace(config, backward_threads=torch.get_num_threads()
+                             if config.grant_policy == "inference" else 1)
         self.config = config
         self.limits = limits
         self.model = model

@@ -30,12 +30,19 @@ class KVCache:
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks: ``blocks`` [..., n] → [..., n·block_size, Hkv, D].
+        Copying blocks, not slots, moves contiguous runs of block_size × Hkv × D values."""
+        k, v = self.k[layer][blocks], self.v[layer][blocks]
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size, *k.shape[-2:])
+        return k.reshape(shape), v.reshape(shape)
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
     rows: slice  # rows of the step
     prefix_len: int  # tokens already in the cache before this chunk
-    context_slots: torch.Tensor  # cache slots of positions [0, prefix_len + chunk)
+    context_blocks: torch.Tensor  # cache blocks holding positions [0, prefix_len + chunk)
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,8 @@ class StepAttentionMeta:
     num_inference_rows: int
     slot_mapping: torch.Tensor  # [num_inference_rows] cache slot of each inference row
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [B_d, L] slots of each decode's context (padded)
-    decode_mask: torch.Tensor | None  # [B_d, 1, 1, L] True where a slot is real
+    decode_blocks: torch.Tensor | None  # [B_d, n] block table of each decode (padded)
+    decode_mask: torch.Tensor | None  # [B_d, 1, 1, n·block_size] True at real positions
     prefills: tuple[PrefillChunk, ...]
     training_lengths: tuple[int, ...]
 
@@ -67,8 +74,7 @@ class PagedAttention:
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if m.num_decodes:
             b = m.num_decodes
-            keys = kc[m.decode_slots]  # [B, L, Hkv, D]
-            vals = vc[m.decode_slots]
+            keys, vals = self.cache.gather(layer, m.decode_blocks)  # [B, L, Hkv, D]
             o = F.scaled_dot_product_attention(
                 q[:b].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
                 attn_mask=m.decode_mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -78,8 +84,9 @@ class PagedAttention:
             if chunk.prefix_len == 0:
                 out[chunk.rows] = causal_attention(qs, k[chunk.rows], v[chunk.rows])
                 continue
-            keys, vals = kc[chunk.context_slots], vc[chunk.context_slots]
-            n, total = qs.shape[0], keys.shape[0]
+            n, total = qs.shape[0], chunk.prefix_len + qs.shape[0]
+            keys, vals = self.cache.gather(layer, chunk.context_blocks)
+            keys, vals = keys[:total], vals[:total]
             mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),

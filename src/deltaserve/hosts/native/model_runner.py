@@ -68,8 +68,9 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_reqs = []
         decodes = batch.decodes
-        decode_ctx: list[list[int]] = []
+        decode_ctx: list[tuple[int, list[int]]] = []
         prefills: list[tuple[slice, int, list[int]]] = []
+        bs = self.blocks.block_size
         for item in batch.items:
             req, n = item.request, item.num_tokens
             start, row0 = req.num_computed, len(ids)
@@ -79,10 +80,10 @@ class ModelRunner:
             if req.adapter is not None:
                 by_adapter.setdefault(req.adapter, []).extend(range(row0, row0 + n))
             if item.is_decode:
-                decode_ctx.append(self.blocks.slots(req, 0, start + 1))
+                decode_ctx.append((start + 1, req.block_table))
             else:
-                ctx_slots = self.blocks.slots(req, 0, start + n) if start else []
-                prefills.append((slice(row0, row0 + n), start, ctx_slots))
+                prefills.append((slice(row0, row0 + n), start,
+                                 req.block_table[: -(-(start + n) // bs)] if start else []))
             if item.completes_prompt:
                 sample_rows.append(row0 + n - 1)
                 sample_reqs.append(req)
@@ -99,18 +100,19 @@ class ModelRunner:
             num_inference_rows=n_inf,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=len(decodes),
-            decode_slots=None, decode_mask=None,
+            decode_blocks=None, decode_mask=None,
             prefills=tuple(PrefillChunk(rows, prefix, torch.tensor(ctx, dtype=torch.long,
                                                                    device=dev))
                            for rows, prefix, ctx in prefills),
             training_lengths=train_lengths)
         if decodes:
-            width = max(len(c) for c in decode_ctx)
+            width = max(-(-n // bs) for n, _ in decode_ctx)
             padded = torch.zeros(len(decodes), width, dtype=torch.long)
-            mask = torch.zeros(len(decodes), width, dtype=torch.bool)
-            for i, c in enumerate(decode_ctx):
-                padded[i, :len(c)] = torch.tensor(c)
-                mask[i, :len(c)] = True
+            mask = torch.zeros(len(decodes), width * bs, dtype=torch.bool)
+            for i, (n, table) in enumerate(decode_ctx):
+                used = -(-n // bs)
+                padded[i, :used] = torch.tensor(table[:used])
+                mask[i, :n] = True
             meta = StepAttentionMeta(meta.num_inference_rows, meta.slot_mapping,
                                      meta.num_decodes, padded.to(dev),
                                      mask[:, None, None, :].to(dev), meta.prefills,

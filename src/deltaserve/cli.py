@@ -31,8 +31,12 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls) -> None:
         if typing.get_origin(kind) in (typing.Union, types.UnionType):
             kind = next(a for a in args if a is not type(None))
         if kind is bool:
-            parser.add_argument(_flag(f"no_{f.name}"), dest=f.name, action="store_false",
-                                default=f.default, help=f"disable {f.name} (default on)")
+            if f.default:
+                parser.add_argument(_flag(f"no_{f.name}"), dest=f.name, action="store_false",
+                                    default=True, help=f"turn {f.name} off")
+            else:
+                parser.add_argument(_flag(f.name), dest=f.name, action="store_true",
+                                    default=False, help=f"turn {f.name} on")
             continue
         parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=f.default,
                             help=f"default: {f.default}")

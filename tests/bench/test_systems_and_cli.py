@@ -32,3 +32,16 @@ def test_cli_reports_bad_input_as_an_error(capsys):
     assert main(["bench", "--ttft-slo-ms", "-5"]) == 2
     assert "ttft_slo_ms" in capsys.readouterr().err
     assert main(["bench", "--systems", "nope", "--out", "/tmp/deltaserve-cli-test"]) == 2
+
+
+def test_bool_flags_follow_their_default():
+    import argparse
+
+    from deltaserve.cli import add_dataclass_flags
+
+    p = argparse.ArgumentParser()
+    add_dataclass_flags(p, BenchConfig)
+    ns = p.parse_args(["--skip-bad-rows", "--no-progress", "--duration", "30"])
+    assert ns.skip_bad_rows is True and ns.progress is False and ns.duration_s == 30.0
+    ns = p.parse_args([])
+    assert ns.skip_bad_rows is False and ns.progress is True and ns.duration_s is None

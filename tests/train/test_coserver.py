@@ -111,9 +111,11 @@ def test_backward_process_equals_peft_and_checkpoint_loads_in_peft(base_path, tm
     assert torch.equal(load_adapter(latest, co.model.config).flat, co.adapter.flat)
 
 
-def test_grant_pauses_backward_within_one_layer(base_path):
-    co = make(base_path, fx.samples(8), batch_tokens=10_000)
-    model = fx.model(base_path)
+def test_grant_pauses_backward_within_one_layer(tmp_path):
+    deep = tmp_path / "deep"
+    hf_tiny_llama(seed=7, num_hidden_layers=24).save_pretrained(deep)
+    co = make(deep, fx.samples(8), batch_tokens=10_000)
+    model = fx.model(deep)
     try:
         while training_only_step(co, model) is not None:
             pass
@@ -123,16 +125,19 @@ def test_grant_pauses_backward_within_one_layer(base_path):
         time.sleep(1.5)
         assert co.backward.layers_done.value == 0  # waited before its first layer
         co.backward.grant.set()
-        time.sleep(0.3)
+        while co.backward.layers_done.value == 0:
+            pass
         co.backward.grant.clear()
-        time.sleep(0.3)  # at most the layer in progress completes
+        seen = co.backward.layers_done.value
+        time.sleep(0.5)  # at most the layer in progress completes ...
         held = co.backward.layers_done.value
-        time.sleep(1.0)
-        assert co.backward.layers_done.value == held
-        assert held < model.num_layers or not co.backward.busy
+        assert held <= seen + 1 < model.num_layers
+        time.sleep(1.0)  # ... and then nothing runs
+        assert co.backward.layers_done.value == held and co.backward.busy
         co.backward.grant.set()
         co.drain()
         assert co.stats().ft_samples_committed == 8
+        assert co.backward.layers_done.value == model.num_layers
     finally:
         co.backward.stop()
 

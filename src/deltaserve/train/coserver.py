@@ -318,8 +318,9 @@ class CoServer:
         if self.on_publish is not None:
             self.on_publish(self.adapter)
         ck = self.config.checkpoint
-        if ck.root and self.optimizer_steps % ck.every_steps == 0:
-            self.save_checkpoint()
+        if ck.root and (self.optimizer_steps % ck.every_steps == 0
+                        or self.pool.progress().finished):
+            self.save_checkpoint()  # periodically, and once the last epoch is trained
 
     def _release(self, ids: list[int]) -> None:
         if not ids:

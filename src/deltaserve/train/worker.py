@@ -9,6 +9,8 @@ step runs: inference always wins.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import queue
 import time
 import traceback
 from dataclasses import dataclass
@@ -86,8 +88,14 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, 
     def on_layer(layer: int) -> None:
         layers_done.value += 1
 
+    parent = mp.parent_process()
     while True:
-        msg = jobs.get()
+        try:
+            msg = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return  # orphaned: nobody will read the results
+            continue
         if isinstance(msg, Stop):
             return
         try:

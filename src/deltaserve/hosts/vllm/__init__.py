@@ -47,7 +47,6 @@ _EXPORTS = {
     "engine_kwargs": "deltaserve.hosts.vllm.host",
     "attach": "deltaserve.hosts.vllm.coserve",
     "detach": "deltaserve.hosts.vllm.coserve",
-    "calibrate": "deltaserve.hosts.vllm.coserve",
     "train_while_idle": "deltaserve.hosts.vllm.coserve",
     "import_vllm": "deltaserve.hosts.vllm.version",
     "SUPPORTED_VERSIONS": "deltaserve.hosts.vllm.version",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +162,7 @@ class CalibrationRun:
                 owned += [r for r, _ in self._ft]
                 result = yield
                 self._ft = []
-                if step > 0 and result.forward is not None and not result.shape.is_empty:
+                if step > 0 and not result.shape.is_empty:
                     self.model.add_calibration(result.shape, result.seconds)
                     self.points += 1
                 hidden.abort([r.request_id for r in extra])  # a chunk left over, if any
@@ -183,11 +183,33 @@ class CalibrationRun:
         return blocks <= pool.get_num_free_blocks()
 
 
-def probe_lengths(plan: Sequence[CalibrationProbe]) -> int:
-    """Tokens the plan forwards (set-up included): a rough cost for progress reports."""
-    total = 0
-    for p in plan:
-        s = p.shape
-        total += s.num_decode * p.kv_per_decode + p.prefix_len
-        total += (p.repeats + 1) * (s.num_tokens + len(s.prefill_lens) * p.prefix_len)
-    return total
+def calibrate(host: Any, lora: Any, config: CalibrationConfig | None = None,
+              latency: LatencyModelConfig | None = None, *, seed: int = 0,
+              progress: bool = True) -> LatencyModel:
+    """Run the calibration plan through vLLM on an idle :class:`VLLMHost` and fit a latency
+    model. Training rows use the reserved training adapter; if none is reserved yet, PEFT's
+    initial weights for ``lora`` (a :class:`LoRAConfig`) are loaded into it."""
+    from tqdm import tqdm
+
+    from deltaserve.hosts.vllm.coserve import new_calibration
+
+    if host.has_unfinished():
+        raise RuntimeError("calibrate an idle engine: requests are in flight")
+    link = host.link
+    if link.train_lora is None:
+        host.reserve_training_adapter(lora, seed)
+    bar = tqdm(desc="calibrating vLLM", unit="probe", disable=not progress)
+
+    def on_probe(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    run = new_calibration(link, host, config, latency, seed, on_probe)
+    link.calibration = run
+    try:
+        while not run.done:
+            host.step()
+    finally:
+        link.calibration = None
+        bar.close()
+    return run.model

@@ -33,12 +33,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import CalibrationConfig
 from deltaserve.core.data import DataConfig, TrainingSample, load_dataset
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.slo import SLOConfig
-from deltaserve.hosts.vllm.calibrate import CalibrationRun
 from deltaserve.hosts.vllm.registry import EngineLink
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import LlamaModel
@@ -87,10 +87,15 @@ def write_standin_adapter(model: ModelConfig, lora: LoRAConfig, seed: int, base_
     return path
 
 
-def new_calibration(link: EngineLink, facts: Any, lora: LoRAConfig,
-                    calibration: CalibrationConfig | None, latency: LatencyModelConfig,
-                    seed: int, on_probe=None, on_done=None) -> CalibrationRun:
-    """A calibration run of ``calibration`` on the engine behind ``link`` (``facts``: a host)."""
+def new_calibration(link: EngineLink, facts: Any, calibration: CalibrationConfig | None,
+                    latency: LatencyModelConfig | None, seed: int, on_probe=None, on_done=None
+                    ) -> Any:
+    """A :class:`CalibrationRun` of ``calibration`` on the engine behind ``link`` (``facts``: a
+    host, or the engine process's stand-in for one). The training adapter must be reserved."""
+    from deltaserve.hosts.vllm.calibrate import CalibrationRun
+
+    if link.train_lora is None:
+        raise RuntimeError("reserve the training adapter before calibrating")
     sched = link.scheduler
     mc = facts.model_config
     return CalibrationRun(
@@ -101,7 +106,8 @@ def new_calibration(link: EngineLink, facts: Any, lora: LoRAConfig,
 
 
 def start_coserver(link: EngineLink, facts: Any, config: CoServeConfig,
-                   samples: Sequence[TrainingSample], latency_model: LatencyModel) -> CoServer:
+                   samples: Sequence[TrainingSample], latency_model: LatencyModel,
+                   scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler) -> CoServer:
     """Build the co-server on the engine behind ``link`` and publish its adapter to vLLM."""
     from deltaserve.hosts.vllm.weights import backward_weights
 
@@ -109,7 +115,8 @@ def start_coserver(link: EngineLink, facts: Any, config: CoServeConfig,
                                          facts.dtype))
     publisher = link.publisher
     co = CoServer(config, facts.limits, model, samples, base_model=facts.model_path,
-                  latency_model=latency_model, on_publish=publisher.publish)
+                  latency_model=latency_model, on_publish=publisher.publish,
+                  scheduler_cls=scheduler_cls)
     publisher.publish(co.adapter)  # the slot now holds exactly what the backward trains
     link.latency_model = latency_model
     link.coserver = co
@@ -135,9 +142,12 @@ def attach(engine: Any, *, dataset: str | os.PathLike | DataConfig | Sequence[Tr
            slo: SLOConfig | None = None, config: CoServeConfig | None = None,
            latency_model: LatencyModel | str | os.PathLike | None = None,
            calibration: CalibrationConfig | None = None, progress: bool = True,
+           scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
            **overrides: Any) -> CoServer:
     """Start co-serving on ``engine`` (a :class:`VLLMHost` or a ``vllm.LLM``); same arguments as
     the embedded host's ``attach``. The engine must be idle while it calibrates."""
+    from deltaserve.hosts.vllm.calibrate import calibrate
+
     host = host_of(engine)
     link = host.link
     if link.coserver is not None:
@@ -148,43 +158,13 @@ def attach(engine: Any, *, dataset: str | os.PathLike | DataConfig | Sequence[Tr
         dataset = DataConfig(os.fspath(dataset), max_tokens=host.limits.max_tokens_per_step)
     samples = (load_dataset(dataset, host.tokenizer)[0] if isinstance(dataset, DataConfig)
                else list(dataset))
-    path = write_standin_adapter(host.model_config, config.lora, config.seed, host.model_path)
-    host.llm.collective_rpc("deltaserve_reserve_adapter",
-                            args=(TRAIN_ADAPTER_NAME, TRAIN_ADAPTER_ID, path))
+    host.reserve_training_adapter(config.lora, config.seed)
     if isinstance(latency_model, (str, os.PathLike)):
         latency_model = LatencyModel.load(latency_model)
     if latency_model is None:
         latency_model = calibrate(host, config.lora, calibration, config.latency,
                                   seed=config.seed, progress=progress)
-    return start_coserver(link, host, config, samples, latency_model)
-
-
-def calibrate(host: Any, lora: LoRAConfig, config: CalibrationConfig | None = None,
-              latency: LatencyModelConfig | None = None, *, seed: int = 0,
-              progress: bool = True) -> LatencyModel:
-    """Run the calibration plan through vLLM on an idle host (the reserved training adapter must
-    be loaded) and fit a latency model."""
-    from tqdm import tqdm
-
-    if host.has_unfinished():
-        raise RuntimeError("calibrate an idle engine: requests are in flight")
-    link = host.link
-    bar = tqdm(desc="calibrating vLLM", unit="probe", disable=not progress)
-
-    def on_probe(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    run = new_calibration(link, host, lora, config, latency or LatencyModelConfig(), seed,
-                          on_probe)
-    link.calibration = run
-    try:
-        while not run.done:
-            host.step()
-    finally:
-        link.calibration = None
-        bar.close()
-    return run.model
+    return start_coserver(link, host, config, samples, latency_model, scheduler_cls)
 
 
 def detach(engine: Any, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:

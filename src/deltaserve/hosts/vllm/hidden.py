@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
@@ -49,6 +50,8 @@ class HiddenRequests:
             if cache.enable_prefix_caching else None)
         self._priority = _LOWEST_PRIORITY if scheduler.policy is SchedulingPolicy.PRIORITY else 0
         self._ids = itertools.count()
+        # a per-engine token: no client id can collide, even with vLLM's id randomization off
+        self._prefix = f"{PREFIX}{uuid.uuid4().hex[:8]}-"
         self.kinds: dict[str, HiddenKind] = {}
         # ids retired at the previous update: vLLM may report their finish one step late
         # (finished sets of multi-client engines), so they stay filtered for one more step
@@ -58,7 +61,7 @@ class HiddenRequests:
             max_tokens: int = 1, salt: str | None = None, ignore_eos: bool = False) -> Request:
         """Queue a hidden request at the *end* of the waiting queue: every client request already
         waiting is scheduled before it. ``salt`` None: unique (no prefix reuse either way)."""
-        rid = f"{PREFIX}{kind.value}-{next(self._ids)}"
+        rid = f"{self._prefix}{kind.value}-{next(self._ids)}"
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
                                 detokenize=False)
         req = Request(request_id=rid, prompt_token_ids=list(token_ids), sampling_params=params,

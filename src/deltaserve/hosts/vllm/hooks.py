@@ -2,7 +2,8 @@
 every decoder layer, and cut a training-only step short at a layer boundary.
 
 Row layout: vLLM flattens a step's tokens request by request in ``input_batch.req_ids`` order
-(not ``SchedulerOutput`` order); request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]``.
+(not ``SchedulerOutput`` order); request ``i`` owns rows
+``query_start_loc[i]:query_start_loc[i+1]``.
 The training rows are gathered in the plan's sample order, so the co-server receives them as the
 one contiguous run of the buffer it reserved.
 
@@ -15,11 +16,11 @@ Two capture paths:
 
 * ``hooks`` (eager execution: always on CPU with LoRA, and with ``enforce_eager`` on GPU): a
   forward pre-hook per decoder layer.
-* ``aux``: vLLM's EAGLE-3 auxiliary hidden-state outputs (``set_aux_hidden_state_layers``), which
-  are outputs of the compiled graph, so they survive ``torch.compile``; a hook on the top-level
-  model takes them off the output before the model runner sees it. vLLM traces the model once at
-  start-up, so this path only sees the aux outputs if they were requested before compilation.
-  It cannot interrupt a step.
+* ``aux``: vLLM's EAGLE-3 auxiliary hidden-state outputs, which are outputs of the compiled
+  graph, so they survive ``torch.compile``. vLLM traces its model once at start-up, so under
+  compilation they must be requested when the model is built (:mod:`aux_model`); in eager mode
+  they can be switched on here. A hook on
+  the top-level model reads them after the forward. This path cannot interrupt a step.
 
 Interrupting: raising inside vLLM's forward would kill the engine, and a forward hook cannot skip
 a module. With ``interrupt`` on, each decoder layer's ``forward`` is wrapped (on the module
@@ -76,7 +77,17 @@ class ForwardHooks:
         self.layers = decoder_layers(self.model)
         compiled = runner.vllm_config.compilation_config.mode != CompilationMode.NONE
         self.path = capture if capture != "auto" else ("aux" if compiled else "hooks")
-        self.interrupt = interrupt and self.path == "hooks" and not compiled
+        # the model class of aux_model requests the aux outputs itself, at build time
+        self._builtin_aux = hasattr(self.model, "deltaserve_aux")
+        if self.path == "aux" and compiled and not self._builtin_aux:
+            raise RuntimeError(
+                "vLLM compiled the model without DeltaServe's auxiliary hidden-state outputs: "
+                "start it with VLLMHostConfig(capture='aux') (engine_kwargs then selects "
+                "aux_model.ARCHITECTURE), or with enforce_eager=True")
+        if self.path == "hooks" and compiled:
+            raise RuntimeError("decoder-layer hooks do not run inside a compiled model: use "
+                               "capture='aux' or enforce_eager=True")
+        self.interrupt = interrupt and self.path == "hooks"
         self._cuda = runner.device.type == "cuda"
         self._handles: list[Any] = []
         self._wrapped: list[Any] = []
@@ -97,7 +108,8 @@ class ForwardHooks:
         self._handles.append(m.register_forward_pre_hook(self._pre_model, with_kwargs=True))
         self._handles.append(m.register_forward_hook(self._post_model, with_kwargs=True))
         if self.path == "aux":
-            m.set_aux_hidden_state_layers(tuple(range(self.num_layers)))
+            if not self._builtin_aux:  # eager: the model's next forwards emit them
+                m.set_aux_hidden_state_layers(tuple(range(self.num_layers)))
         else:
             for i, layer in enumerate(self.layers):
                 self._handles.append(layer.register_forward_pre_hook(self._layer_hook(i)))
@@ -113,7 +125,7 @@ class ForwardHooks:
         for layer in self._wrapped:
             del layer.forward  # back to the class's forward
         self._wrapped.clear()
-        if self.path == "aux":
+        if self.path == "aux" and not self._builtin_aux:
             self.model.set_aux_hidden_state_layers(())
 
     def _bypassable(self, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -175,16 +187,18 @@ class ForwardHooks:
         return hook
 
     def _post_model(self, module: Any, args: Any, kwargs: Any, output: Any) -> Any:
-        replaced = None
-        if isinstance(output, tuple) and self.path == "aux":
-            hidden, aux = output
+        replaced = aux = None
+        if self.path == "aux":
+            if isinstance(output, tuple):  # eager, aux switched on after start-up
+                replaced, aux = output
+            elif self._builtin_aux:
+                aux, module.deltaserve_aux = module.deltaserve_aux, None
             if self._rows is not None:
-                for i, stream in enumerate(aux):
-                    self._rows.capture(i, stream.index_select(0, self._index))
-            replaced = hidden
-        elif self.path == "aux" and self._rows is not None:
-            # the model was compiled before the aux outputs were requested: nothing captured
-            self._rows.valid = False
+                if aux is None or len(aux) != self.num_layers:
+                    self._rows.valid = False  # nothing to capture from: the step gives back
+                else:
+                    for i, stream in enumerate(aux):
+                        self._rows.capture(i, stream.index_select(0, self._index))
         if self._cuda:
             torch.cuda.synchronize()
         out = replaced if replaced is not None else output

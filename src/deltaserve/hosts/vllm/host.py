@@ -11,11 +11,14 @@ co-server at once (``on_arrival``), so a running training-only step stops at its
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +43,8 @@ class VLLMHostConfig:
     included (it is pinned to one slot). ``max_lora_rank``: at least the training adapter's ``r``.
     ``capture``: ``auto``, ``hooks`` or ``aux`` (see :mod:`hooks`). ``interrupt``: cut
     training-only steps short when a client request arrives. ``enforce_eager``: decoder-layer
-    hooks only run in eager mode (CPU with LoRA is eager regardless). ``engine``: any other
+    hooks only run in eager mode (CPU with LoRA is eager regardless). ``num_threads``: torch
+    threads of the engine (vLLM otherwise drops to one on CPU). ``engine``: any other
     ``vllm.LLM`` keyword arguments."""
 
     model: str = "smollm2"
@@ -55,6 +59,7 @@ class VLLMHostConfig:
     capture: str = "auto"
     interrupt: bool = True
     enforce_eager: bool = True
+    num_threads: int | None = None
     engine: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +68,8 @@ class VLLMHostConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
+        require(self.num_threads is None or self.num_threads >= 1, "num_threads",
+                self.num_threads, "must be >= 1")
         clash = {"scheduler_cls", "worker_extension_cls", "enable_lora",
                  "async_scheduling"} & set(self.engine)
         require(not clash, "engine", sorted(clash), "set by DeltaServe; remove them")
@@ -74,12 +81,26 @@ def engine_kwargs(config: VLLMHostConfig | None = None) -> dict[str, Any]:
         llm = vllm.LLM(model=path, **engine_kwargs(VLLMHostConfig(max_loras=2)))
     """
     c = config or VLLMHostConfig()
+    extra = dict(c.engine)
+    if _wants_aux_model(c):  # the compile-safe capture: vLLM builds aux_model's Llama
+        from deltaserve.hosts.vllm.aux_model import HF_OVERRIDES
+
+        extra["hf_overrides"] = {**extra.get("hf_overrides", {}), **HF_OVERRIDES}
     return dict(
         dtype=c.dtype, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
         max_model_len=c.max_model_len, enable_prefix_caching=c.enable_prefix_caching,
         enable_lora=True, max_loras=c.max_loras, max_lora_rank=c.max_lora_rank, seed=c.seed,
         enforce_eager=c.enforce_eager, async_scheduling=False, scheduler_cls=SCHEDULER_CLS,
-        worker_extension_cls=WORKER_EXTENSION_CLS, **dict(c.engine))
+        worker_extension_cls=WORKER_EXTENSION_CLS, **extra)
+
+
+def engine_limits(vllm_config: Any, scheduler: Any) -> HostLimits:
+    """What one step of the engine holds. A sample is a prompt that must leave room for the one
+    token vLLM samples after it, hence ``max_model_len - 1``."""
+    sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
+    return HostLimits(scheduler.max_num_scheduled_tokens, sc.max_num_seqs,
+                      vllm_config.model_config.max_model_len - 1,
+                      cc.num_gpu_blocks * scheduler.block_size, Batching.MIXED)
 
 
 @dataclass
@@ -115,9 +136,17 @@ class VLLMHost:
 
         vllm = import_vllm()
         self.config = config = config or VLLMHostConfig()
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op and drops torch to one
+        # thread for the whole process; close() gives the process its threads back
+        self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
         if llm is None:
             path = resolve_model(config.model)
-            llm = vllm.LLM(model=str(path), **engine_kwargs(config))
+            if config.num_threads is not None:
+                # vLLM keeps the torch thread count when OMP_NUM_THREADS is set; its CPU worker
+                # disables torch.set_num_threads once started, so set both before it starts
+                os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+                torch.set_num_threads(config.num_threads)
+            llm = _start_llm(vllm, str(path), config)
         self.llm = llm
         self.engine = llm.llm_engine
         self.vllm_config = self.engine.vllm_config
@@ -149,11 +178,7 @@ class VLLMHost:
     # ---- facts the co-server and the replay ask for -------------------------------------------
     @property
     def limits(self) -> HostLimits:
-        sc, cc = self.vllm_config.scheduler_config, self.vllm_config.cache_config
-        # a sample is one prompt that must leave room for the one token vLLM samples after it
-        max_len = self.vllm_config.model_config.max_model_len - 1
-        return HostLimits(self.scheduler.max_num_scheduled_tokens, sc.max_num_seqs, max_len,
-                          cc.num_gpu_blocks * self.scheduler.block_size, Batching.MIXED)
+        return engine_limits(self.vllm_config, self.scheduler)
 
     def execution_mode(self, shape: StepShape) -> ExecMode:
         from deltaserve.hosts.vllm.view import predict_mode
@@ -193,6 +218,37 @@ class VLLMHost:
         from deltaserve.hosts.vllm.hooks import decoder_layers
 
         return decoder_layers(self.vllm_model)
+
+    def base_weights(self) -> Any:
+        """The backward's base weights: views of vLLM's (GPU) or a reload (CPU); see
+        :mod:`deltaserve.hosts.vllm.weights`."""
+        from deltaserve.hosts.vllm.weights import backward_weights
+
+        return backward_weights(self.vllm_model, self.model_path, self.dtype)[1]
+
+    def publish_adapter(self, lora_state: Any) -> None:
+        """Write :class:`AdapterWeights` into the reserved training adapter's slot."""
+        if self.link.publisher is None:
+            raise RuntimeError("no training adapter is reserved: attach first")
+        self.link.publisher.publish(lora_state)
+
+    def reserve_training_adapter(self, lora: Any, seed: int = 0) -> int:
+        """Load PEFT's initial weights for ``lora`` (a :class:`LoRAConfig`) into vLLM as the
+        reserved training adapter, pinned to a slot; returns the slot."""
+        from deltaserve.hosts.vllm.coserve import (
+            TRAIN_ADAPTER_ID,
+            TRAIN_ADAPTER_NAME,
+            check_lora_fits,
+            write_standin_adapter,
+        )
+
+        check_lora_fits(lora, self.vllm_config)
+        path = write_standin_adapter(self.model_config, lora, seed, self.model_path)
+        try:
+            return self.llm.collective_rpc("deltaserve_reserve_adapter",
+                                           args=(TRAIN_ADAPTER_NAME, TRAIN_ADAPTER_ID, path))[0]
+        finally:  # loaded (and pinned: never reloaded from disk); only its name is kept
+            shutil.rmtree(path, ignore_errors=True)
 
     # ---- clients ----------------------------------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
@@ -252,14 +308,14 @@ class VLLMHost:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> bool:
-        """One vLLM step (clients first handed to vLLM); False when no forward ran."""
+        """One vLLM step (clients first handed to vLLM); False when it ran nothing."""
         self._drain()
         if not self.scheduler.has_requests():
             return False
-        before = self.link.forwards
+        before = self.link.steps
         for out in self.engine.step():
             self._deliver(out)
-        return self.link.forwards != before
+        return self.link.steps != before
 
     def run_loop(self, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
         """Step until ``stop`` is set; with nothing to run, wait for an arrival (or, while the
@@ -311,6 +367,32 @@ class VLLMHost:
         detach(self, drain=False, checkpoint=False)
         self.llm.collective_rpc("deltaserve_uninstall")
         self.engine.engine_core.shutdown()
+        set_threads, threads = self._torch_threads
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+
+
+def _wants_aux_model(config: VLLMHostConfig) -> bool:
+    """The compile-safe capture needs vLLM to build the aux-output model: asked for, or implied
+    by a compiled model (``auto`` without ``enforce_eager``; on CPU, LoRA never compiles)."""
+    from deltaserve.hosts.vllm.version import is_cpu_build
+
+    return config.capture == "aux" or (
+        config.capture == "auto" and not config.enforce_eager and not is_cpu_build())
+
+
+def _start_llm(vllm: Any, path: str, config: VLLMHostConfig) -> Any:
+    if _wants_aux_model(config):
+        import json
+
+        from deltaserve.hosts.vllm.aux_model import BASE_ARCHITECTURE, register_aux_capture_model
+
+        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+        if archs != [BASE_ARCHITECTURE]:
+            raise InputError("capture", "aux", f"the compile-safe capture supports "
+                             f"{BASE_ARCHITECTURE} checkpoints; this model is {archs}")
+        register_aux_capture_model()
+    return vllm.LLM(model=path, **engine_kwargs(config))
 
 
 def _vllm_params(p: SamplingParams) -> Any:

@@ -8,7 +8,8 @@ forward reads. Both use vLLM's conventions:
   ``(q, k, v)``, ``gate_up_proj`` holds ``(gate, up)``; ``o_proj`` and ``down_proj`` one each;
 * ``A`` is stored as PEFT stores it (``r × in``), ``B`` (``out × r``) with PEFT's
   ``scaling = alpha / r`` folded in (vLLM's ``LoRALayerWeights.optimize``);
-* stacked shapes are ``[max_loras, 1, max_lora_rank, in]`` and ``[max_loras, 1, out, max_lora_rank]``.
+* stacked shapes are ``[max_loras, 1, max_lora_rank, in]`` (A) and
+  ``[max_loras, 1, out, max_lora_rank]`` (B).
 
 A publish overwrites the slot in place (CUDA graphs and the punica kernels keep reading the same
 storage) and the CPU copy too, so a re-activation can never restore stale weights. The CPU copies

@@ -6,7 +6,7 @@ With the uniproc executor (this host's only mode: the engine core and its one wo
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for ``vllm.LLM``, or inside the engine-core process
 of ``deltaserve serve``) both receive the *same* ``VllmConfig`` object, so an :class:`EngineLink`
 keyed by that object's identity joins them. Everything here is touched only by the engine's own
-thread, except :attr:`EngineLink.arrivals`, which client threads may bump.
+thread.
 """
 
 from __future__ import annotations
@@ -82,12 +82,13 @@ class EngineLink:
     latency_model: Any = None
     rows: TrainingRows | None = None
     last_forward: ForwardRecord | None = None
-    forwards: int = 0  # model forwards run since start (the worker counts them)
+    forwards: int = 0  # model forwards the worker's hooks saw (none inside a CUDA-graph replay)
+    steps: int = 0  # non-empty steps the scheduler observed
     record_steps: bool = False
     step_log: list[StepRecord] = field(default_factory=list)
     on_step: Callable[[StepRecord], None] | None = None
     idle_wait_s: float = 0.0
-    arrivals: threading.Event = field(default_factory=threading.Event)
+    remote: dict[str, Any] | None = None  # attach state inside ``deltaserve serve``'s engine
 
     def take_forward(self) -> ForwardRecord | None:
         rec, self.last_forward = self.last_forward, None

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from deltaserve.core.admission import AdmissionMode, AdmissionPlan
@@ -41,6 +42,7 @@ class _Dispatched:
     plan: AdmissionPlan | None
     sample_ids: tuple[str, ...]  # hidden requests of the plan's samples, in plan order
     whole: bool  # vLLM scheduled every sample in full in this step
+    t_s: float = 0.0  # time.perf_counter() when schedule() returned
 
 
 class CoServingScheduler(Scheduler):
@@ -56,12 +58,17 @@ class CoServingScheduler(Scheduler):
         self.link = registry.link_for(self.vllm_config)
         self.link.scheduler = self
         self._last_token_s: dict[str, float] = {}
+        # Set when vLLM aborts everything (engine shutdown, or a pause in abort mode): an idle
+        # engine stops stepping for training until a client request arrives or it is unpaused,
+        # so vLLM's "no work left" shutdown condition can be met.
+        self._halted = False
         self._dispatched: _Dispatched | None = None
         self._void: list[str] = []  # hidden requests to abort once the running step is done
 
     # ---- arrivals ---------------------------------------------------------------------------
     def add_request(self, request: Any) -> None:
         super().add_request(request)
+        self._halted = False
         co = self.link.coserver
         if co is not None:
             co.on_arrival()
@@ -71,9 +78,25 @@ class CoServingScheduler(Scheduler):
         if super().has_requests():
             return True
         link = self.link
+        if self._halted or self._pause_state != PauseState.UNPAUSED:
+            return False
         if link.calibration is not None and not link.calibration.done:
             return True
         return link.coserver is not None and _training_wanted(link.coserver)
+
+    def set_pause_state(self, pause_state: Any) -> None:
+        super().set_pause_state(pause_state)
+        if pause_state == PauseState.UNPAUSED:
+            self._halted = False
+
+    def shutdown(self) -> None:
+        """The engine is going away: return what was captured but not trained to the pool,
+        write a checkpoint of the last committed step, stop the backward process."""
+        co, self.link.coserver = self.link.coserver, None
+        self.link.calibration = None
+        if co is not None:
+            co.close(drain=False, checkpoint=True)
+        super().shutdown()
 
     # ---- schedule ---------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False) -> Any:
@@ -83,28 +106,27 @@ class CoServingScheduler(Scheduler):
         if cal is not None and not cal.done:
             cal.before_schedule(self)
             so = super().schedule(throttle_prefills)
-            ex = executed(so, self, self.hidden)
+            ex = self._executed(so)
             link.rows = cal.rows_for(ex)
-            self._dispatched = _Dispatched(ex, None, (), True)
+            self._dispatched = _Dispatched(ex, None, (), True, time.perf_counter())
             return so
         co = link.coserver
         if co is None:
             so = super().schedule(throttle_prefills)
-            self._dispatched = _Dispatched(executed(so, self, self.hidden), None, (), True)
+            self._dispatched = _Dispatched(self._executed(so), None, (), True,
+                                           time.perf_counter())
             return so
 
         if link.idle_wait_s > 0 and co.backward_busy and not super().has_requests():
             co.poll(timeout_s=link.idle_wait_s)  # an idle engine process waits for the backward
         view, _ = scheduling_view(self, self.hidden, self._last_token_s)
-        view = replace(view, proposed=replace(view.proposed,
-                                              mode=predict_mode(self.vllm_config, view.proposed)))
-        plan = co.plan(view)
+        plan = co.plan(replace(view, proposed=self._with_mode(view.proposed)))
         tokens = co.training_tokens(plan)
         ids = [self.hidden.add(HiddenKind.SAMPLE, toks, lora_request=link.train_lora).request_id
                for toks in tokens]
         co.begin_step(plan)
         so = super().schedule(throttle_prefills)
-        ex = executed(so, self, self.hidden)
+        ex = self._executed(so)
         whole = all(ex.hidden.get(rid) == (0, len(toks))
                     for rid, toks in zip(ids, tokens, strict=True))
         if ids and not whole:
@@ -116,8 +138,15 @@ class CoServingScheduler(Scheduler):
             link.rows = registry.TrainingRows(
                 tuple(ids), tuple(s.num_tokens for s in plan.samples), co.capture,
                 co.should_abort, abortable=not ex.shape.has_inference, plan=plan)
-        self._dispatched = _Dispatched(ex, plan, tuple(ids), whole)
+        self._dispatched = _Dispatched(ex, plan, tuple(ids), whole, time.perf_counter())
         return so
+
+    def _with_mode(self, shape: Any) -> Any:
+        return replace(shape, mode=predict_mode(self.vllm_config, shape))
+
+    def _executed(self, so: Any) -> Executed:
+        ex = executed(so, self, self.hidden)
+        return replace(ex, shape=self._with_mode(ex.shape))
 
     # ---- after the step ---------------------------------------------------------------------
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -134,9 +163,12 @@ class CoServingScheduler(Scheduler):
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in ids:
-            self._last_token_s.pop(rid, None)
+        if request_ids is None:  # everything: vLLM is shutting down or pausing
+            self._halted = True
+            self._last_token_s.clear()
+        else:
+            for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+                self._last_token_s.pop(rid, None)
         return super().finish_requests(request_ids, finished_status)
 
     def _observe(self, model_runner_output: Any) -> None:
@@ -147,9 +179,16 @@ class CoServingScheduler(Scheduler):
         if d is None:
             return
         shape = d.executed.shape
-        seconds = fwd.seconds if fwd is not None else 0.0
-        if fwd is not None and not shape.ft_lens and fwd.mode is not shape.mode:
-            shape = replace(shape, mode=fwd.mode)  # the dispatcher's actual decision
+        if not shape.is_empty:
+            link.steps += 1
+        if fwd is not None:
+            seconds = fwd.seconds
+            if not shape.ft_lens and fwd.mode is not shape.mode:
+                shape = replace(shape, mode=fwd.mode)  # the dispatcher's actual decision
+        else:
+            # no hook ran: an empty step, or a CUDA-graph replay (Python hooks never run inside
+            # one); time execute + sample from the scheduler's side (synchronous scheduling)
+            seconds = time.perf_counter() - d.t_s
         aborted = fwd is not None and fwd.aborted
         layers_run = fwd.layers_run if fwd is not None else None
         if link.calibration is not None and not link.calibration.done:
@@ -160,11 +199,12 @@ class CoServingScheduler(Scheduler):
             if void:  # the samples did not run whole, or were not captured: back to the pool
                 self.hidden.abort(self._void or [r for r in d.sample_ids if r in self.requests])
                 self._void = []
-            link.coserver.observe(StepReport(d.plan, shape, seconds, aborted or void,
-                                             layers_run))
-        elif link.latency_model is not None and fwd is not None and not shape.is_empty:
+            co = link.coserver
+            # (the co-server checkpoints by itself once the last epoch is committed)
+            co.observe(StepReport(d.plan, shape, seconds, aborted or void, layers_run))
+        elif link.latency_model is not None and not shape.is_empty:
             link.latency_model.observe(shape, seconds)
-        if fwd is not None and (link.record_steps or link.on_step is not None):
+        if not shape.is_empty and (link.record_steps or link.on_step is not None):
             ft = shape.num_ft_tokens if d.plan is not None else 0
             rec = StepRecord(time.monotonic(), shape, seconds, ft, aborted)
             if link.record_steps:

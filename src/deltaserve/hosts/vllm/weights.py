@@ -1,7 +1,7 @@
 """Base weights for the backward process, taken from the weights vLLM loaded.
 
 vLLM fuses projections: ``qkv_proj.weight`` is ``[q | k | v]`` stacked on the output dimension
-and ``gate_up_proj.weight`` is ``[gate | up]``. Splitting them with ``Tensor.split`` gives views,
+and ``gate_up_proj.weight`` is ``[gate | up]``. Cutting them with ``Tensor.narrow`` gives views,
 so the backward maps vLLM's own storage with no copy (on a GPU, torch.multiprocessing then hands
 the storage to the backward process by CUDA IPC). This needs tensor parallelism 1 and
 unquantized weights.
@@ -24,12 +24,22 @@ from deltaserve.model.loading import load_weights, read_config
 
 
 def _w(module: Any) -> torch.Tensor:
-    """The weight of a (possibly LoRA-wrapped) vLLM layer."""
-    return getattr(module, "base_layer", module).weight
+    """The weight of a (possibly LoRA-wrapped) vLLM layer, detached (same storage)."""
+    return getattr(module, "base_layer", module).weight.detach()
+
+
+def _rows(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """``t`` cut along dim 0 into views (``narrow``: each a plain view of the fused tensor)."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(t.narrow(0, start, n))
+        start += n
+    return out
 
 
 def _bias(module: Any) -> torch.Tensor | None:
-    return getattr(getattr(module, "base_layer", module), "bias", None)
+    bias = getattr(getattr(module, "base_layer", module), "bias", None)
+    return bias.detach() if bias is not None else None
 
 
 def views_available(model: Any) -> bool:
@@ -48,21 +58,22 @@ def weights_from_vllm(model: Any, config: ModelConfig) -> BaseWeights:
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        wq, wk, wv = _w(attn.qkv_proj).split([q, kv, kv], dim=0)
-        gate, up = _w(mlp.gate_up_proj).split([inter, inter], dim=0)
+        wq, wk, wv = _rows(_w(attn.qkv_proj), [q, kv, kv])
+        gate, up = _rows(_w(mlp.gate_up_proj), [inter, inter])
         qkv_bias = _bias(attn.qkv_proj)
         bq = bk = bv = None
         if qkv_bias is not None:
-            bq, bk, bv = qkv_bias.split([q, kv, kv], dim=0)
+            bq, bk, bv = _rows(qkv_bias, [q, kv, kv])
         layers.append(LayerWeights(
-            input_norm=layer.input_layernorm.weight, q=wq, k=wk, v=wv, o=_w(attn.o_proj),
-            post_norm=layer.post_attention_layernorm.weight, gate=gate, up=up,
+            input_norm=layer.input_layernorm.weight.detach(), q=wq, k=wk, v=wv,
+            o=_w(attn.o_proj), post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate=gate, up=up,
             down=_w(mlp.down_proj), q_bias=bq, k_bias=bk, v_bias=bv))
     vocab = config.vocab_size
     # vLLM pads the vocabulary of its embedding / LM head to a multiple of 64: view the real rows
     embed = _w(model.model.embed_tokens)[:vocab]
     lm_head = embed if config.tie_word_embeddings else _w(model.lm_head)[:vocab]
-    return BaseWeights(embed, layers, model.model.norm.weight, lm_head)
+    return BaseWeights(embed, layers, model.model.norm.weight.detach(), lm_head)
 
 
 def backward_weights(model: Any, model_dir: str, dtype: torch.dtype

@@ -11,7 +11,6 @@ The worker and the scheduler meet in :mod:`registry` (same process, same ``VllmC
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from deltaserve.hosts.vllm import registry
 from deltaserve.hosts.vllm.hooks import ForwardHooks

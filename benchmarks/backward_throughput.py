@@ -95,7 +95,7 @@ def main() -> None:
             if training_only_step(co, model) is not None:
                 fwd_times.append(time.perf_counter() - t0)
             else:
-                co.poll(timeout_s=0.1)
+                co.idle(timeout_s=0.1)
     finally:
         co.close(drain=False, checkpoint=False)
     done = [c.done for c in co.commits]

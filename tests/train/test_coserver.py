@@ -36,7 +36,7 @@ def run_until(co, model, steps, timeout_s=120):
     deadline = time.monotonic() + timeout_s
     while co.optimizer_steps < steps and time.monotonic() < deadline:
         if training_only_step(co, model) is None:
-            co.poll(timeout_s=0.05)
+            co.idle(timeout_s=0.05)
     assert co.optimizer_steps >= steps
 
 
@@ -189,7 +189,7 @@ def test_resume_continues_without_repeating_or_skipping(base_path, tmp_path):
         assert torch.equal(co2.adapter.flat, adapter_at_ck)
         while not co2.pool.progress().finished:
             if training_only_step(co2, model) is None:
-                co2.poll(timeout_s=0.05)
+                co2.idle(timeout_s=0.05)
                 if not co2.backward.busy:
                     co2.drain()
         co2.close()

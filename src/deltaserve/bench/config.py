@@ -19,6 +19,7 @@ class BenchConfig:
     systems: str = "inference-only,deltaserve,llmstation,split-pool,deltaserve-temp"
     duration_s: float | None = None
     model: str = "smollm2"
+    dtype: str = "auto"
     dataset: str | None = None
     skip_bad_rows: bool = False
     ttft_slo_ms: float = 3000.0

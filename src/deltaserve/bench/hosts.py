@@ -23,7 +23,7 @@ def make_host(cfg: BenchConfig, threads: int) -> HostKit:
         from deltaserve.hosts.native.coserve import attach, detach
 
         engine = LLMEngine(EngineConfig(
-            model=cfg.model, max_num_seqs=cfg.max_num_seqs,
+            model=cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             kv_cache_tokens=cfg.kv_cache_tokens, max_model_len=cfg.max_model_len,
             num_threads=threads, seed=cfg.seed))

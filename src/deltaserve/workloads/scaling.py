@@ -1,6 +1,6 @@
 """Fit a trace to a host: rate scaled so its peak is a stated fraction of measured capacity.
 
-Capacity comes from the host's calibrated latency model: serving requests of the trace's median
+Capacity comes from the host's calibrated latency model: serving requests of the trace's mean
 shape in rounds of B concurrent requests (their prefills in full steps, then their decodes
 together), the best B gives the most requests per second the host sustains.
 """
@@ -40,8 +40,9 @@ def auto_scale(trace: Trace, model: LatencyModel, limits: HostLimits, *,
     """The trace with its rate scaled so its peak (over ``bin_s`` bins) is ``peak_fraction``
     of the host's capacity. Returns the trace, the factor and the capacity in req/s."""
     require(0 < peak_fraction <= 2, "peak_fraction", peak_fraction, "must be in (0, 2]")
-    p = int(statistics.median(r.prompt_tokens for r in trace.requests))
-    o = int(statistics.median(r.output_tokens for r in trace.requests))
+    # mean lengths: the heavy tail, not the median request, sets how much work arrives
+    p = round(statistics.fmean(r.prompt_tokens for r in trace.requests))
+    o = round(statistics.fmean(r.output_tokens for r in trace.requests))
     cap = capacity_rps(model, limits, p, o)
     require(cap > 0 and math.isfinite(cap), "capacity", cap, "the latency model is not fitted")
     factor = peak_fraction * cap / trace.peak_rate(bin_s)

@@ -85,7 +85,7 @@ def test_light_load_meets_slo_and_trains(tiny):
             assert max(gaps, default=0) <= 0.5
         deadline = time.monotonic() + 60
         while co.stats().optimizer_steps < 2 and time.monotonic() < deadline:
-            eng.step() or co.poll(timeout_s=0.05)
+            eng.step() or co.idle(timeout_s=0.05)
         assert co.stats().ft_tokens_committed > 0
     finally:
         detach(eng, drain=False, checkpoint=False)
@@ -136,7 +136,7 @@ def test_arrival_aborts_training_only_step_within_one_layer(tiny):
             eng.step()
         while not co.pool.progress().finished:
             if not eng.step():
-                co.poll(timeout_s=0.05)
+                co.idle(timeout_s=0.05)
                 if not co.backward_busy:
                     co.drain()
         committed = [i for c in co.commits for i in c.done.sample_ids]

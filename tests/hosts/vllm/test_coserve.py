@@ -114,7 +114,7 @@ def test_reserved_slot_trains_and_checkpoint_loads_in_vllm_and_peft(host, latenc
         deadline = time.monotonic() + 300
         while co.stats().optimizer_steps < 2 and time.monotonic() < deadline:
             if not host.step():
-                co.poll(timeout_s=0.05)
+                co.idle(timeout_s=0.05)
         assert co.stats().optimizer_steps >= 2
         slot = publisher.read(host.model_config, LORA).flat
         assert not torch.allclose(slot, before)  # the reserved adapter's weights changed

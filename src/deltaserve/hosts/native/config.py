@@ -13,7 +13,9 @@ class EngineConfig:
     ``max_num_batched_tokens``: tokens per step (prefills are chunked to fit).
     ``kv_cache_tokens``: KV-cache capacity; requests wait for free blocks and are preempted
     (recomputed later) when decodes run out of them.
-    ``max_model_len``: longest prompt + output (default: the model's limit, capped at 4096)."""
+    ``max_model_len``: longest prompt + output (default: the model's limit, capped at 4096).
+    ``dtype``: weights and activations; ``auto`` takes bfloat16 where the hardware has native
+    bf16 matmul (see :func:`deltaserve.model.loading.resolve_dtype`)."""
 
     model: str = "smollm2"
     dtype: str = "float32"
@@ -27,7 +29,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        require_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        require_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                 self.max_num_batched_tokens, "must be >= 1")

@@ -36,9 +36,12 @@ from deltaserve.hosts.native.sampler import Sampler
 from deltaserve.hosts.native.scheduler import ScheduledBatch, Scheduler
 from deltaserve.hosts.native.view import scheduling_view, step_shape
 from deltaserve.model.llama import LlamaModel
-from deltaserve.model.loading import load_tokenizer, load_weights, resolve_model
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from deltaserve.model.loading import (
+    load_tokenizer,
+    load_weights,
+    resolve_dtype,
+    resolve_model,
+)
 
 
 class LLMEngine:
@@ -49,7 +52,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if model is None:
             path = resolve_model(config.model)
-            model = LlamaModel(*load_weights(path, _DTYPES[config.dtype], config.device))
+            model = LlamaModel(*load_weights(path, resolve_dtype(config.dtype, config.device),
+                                             config.device))
             model_path = str(path)
             if tokenizer is None and (path / "tokenizer_config.json").is_file():
                 tokenizer = load_tokenizer(path)
@@ -137,6 +141,7 @@ class LLMEngine:
     def step(self) -> bool:
         """Run one step; ``False`` when there was nothing to run."""
         with self._lock:
+            self._wake.clear()  # arrivals from here on wake a yield early
             while self._incoming:
                 self.scheduler.add(self._incoming.popleft())
         batch = self.scheduler.schedule()
@@ -153,7 +158,13 @@ class LLMEngine:
             self._postprocess(batch, result)
             return True
 
-        plan = co.plan(scheduling_view(batch, self.scheduler, now))
+        view = scheduling_view(batch, self.scheduler, now)
+        if not batch.is_empty:
+            pause = co.yield_budget_s(view)
+            if pause > 0:  # the SLOs have room: the backward gets the machine first
+                co.yield_to_backward(pause, self._wake)
+                view = scheduling_view(batch, self.scheduler, time.monotonic())
+        plan = co.plan(view)
         if batch.is_empty and not plan.samples:
             return False
         training = None
@@ -228,7 +239,7 @@ class LLMEngine:
         while not stop.is_set():
             if not self.step():
                 if self.coserver is not None and self.coserver.backward_busy:
-                    self.coserver.poll(timeout_s=idle_wait_s)
+                    self.coserver.idle(timeout_s=idle_wait_s)
                 else:
                     self._wake.wait(idle_wait_s)
                     self._wake.clear()

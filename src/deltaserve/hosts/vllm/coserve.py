@@ -194,4 +194,4 @@ def train_while_idle(engine: Any, seconds: float | None = None,
             if not co.backward_busy and not co.has_pending_training \
                     and co.pool.smallest_available() is None:
                 return  # nothing left to train
-            co.poll(timeout_s=0.01)
+            co.idle(timeout_s=0.01)

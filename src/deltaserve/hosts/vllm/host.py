@@ -324,7 +324,7 @@ class VLLMHost:
             if not self.step():
                 co = self.link.coserver
                 if co is not None and co.backward_busy:
-                    co.poll(timeout_s=idle_wait_s)
+                    co.idle(timeout_s=idle_wait_s)
                 else:
                     self._wake.wait(idle_wait_s)
                     self._wake.clear()

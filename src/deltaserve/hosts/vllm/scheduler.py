@@ -118,7 +118,7 @@ class CoServingScheduler(Scheduler):
             return so
 
         if link.idle_wait_s > 0 and co.backward_busy and not super().has_requests():
-            co.poll(timeout_s=link.idle_wait_s)  # an idle engine process waits for the backward
+            co.idle(timeout_s=link.idle_wait_s)  # an idle engine lends the machine to the backward
         view, _ = scheduling_view(self, self.hidden, self._last_token_s)
         plan = co.plan(replace(view, proposed=self._with_mode(view.proposed)))
         tokens = co.training_tokens(plan)

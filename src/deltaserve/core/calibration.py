@@ -76,6 +76,10 @@ class CalibrationConfig:
     max_split: int = 8
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     decode_kv_lens: tuple[int, ...] = (64, 256, 1024)
+    chunk_prefixes: tuple[int, ...] = (64, 256, 640)
+    mixed_decodes: tuple[int, ...] = (2, 8, 24)
+    mixed_prefills: tuple[int, ...] = (32, 128, 512)
+    mixed_kv_lens: tuple[int, ...] = (64, 256)
     ft_sample_len: int = 128
     ft_totals: tuple[int, ...] = (64, 256, 512, 1024)
     repeats: int = 3
@@ -125,12 +129,13 @@ def build_plan(limits: HostLimits, config: CalibrationConfig | None = None,
         if max(lens) <= limits.max_model_len:
             probes.append(CalibrationProbe(ProbeKind.PREFILL_SPLIT, StepShape(lens), r))
 
-    for prefix in (256, 1024):
-        chunk = min(256, t_max)
-        if prefix + chunk <= limits.max_model_len and prefix + chunk <= limits.max_kv_tokens:
-            probes.append(CalibrationProbe(ProbeKind.CHUNKED_PREFILL,
-                                           StepShape((chunk,), kv_tokens=prefix), r,
-                                           prefix_len=prefix))
+    for prefix in cfg.chunk_prefixes:
+        for chunk in sorted({min(64, t_max), t_max}):
+            if prefix + chunk <= limits.max_model_len and prefix + chunk <= limits.max_kv_tokens:
+                probes.append(CalibrationProbe(
+                    ProbeKind.CHUNKED_PREFILL,
+                    StepShape((chunk,), kv_tokens=prefix, prefill_prefix_lens=(prefix,)), r,
+                    prefix_len=prefix))
 
     for b in sorted({min(b, s_max, limits.max_tokens_per_step) for b in cfg.decode_batches}):
         for kv in cfg.decode_kv_lens:
@@ -143,18 +148,23 @@ def build_plan(limits: HostLimits, config: CalibrationConfig | None = None,
     kv_dec = min(256, limits.max_model_len - 1)
     inference_batches: list[tuple[StepShape, int]] = [(StepShape(), 0)]
     if limits.batching is Batching.MIXED:
-        for b, n in ((4, 128), (16, 256)):
-            b = min(b, s_max - 1)
-            n = min(n, t_max - b)
-            if b >= 1 and n >= 1 and b * (kv_dec + 1) + n <= limits.max_kv_tokens:
-                shape = StepShape((n,), num_decode=b, kv_tokens=b * kv_dec)
-                probes.append(CalibrationProbe(ProbeKind.MIXED, shape, r, kv_per_decode=kv_dec))
-                inference_batches.append((shape, kv_dec))
+        # prefill chunks beside decodes: decode rows cost differently from prefill rows
+        # (attention over their context), so Equation I needs both in one step to fit them
+        for b in sorted({min(b, s_max - 1) for b in cfg.mixed_decodes}):
+            for n in sorted({min(n, t_max - b) for n in cfg.mixed_prefills}):
+                for kv in sorted({min(k, limits.max_model_len - 1) for k in cfg.mixed_kv_lens}):
+                    if b < 1 or n < 1 or b * (kv + 1) + n > limits.max_kv_tokens:
+                        continue
+                    shape = StepShape((n,), num_decode=b, kv_tokens=b * kv)
+                    probes.append(CalibrationProbe(ProbeKind.MIXED, shape, r, kv_per_decode=kv))
+    # fine-tuning tokens beside: nothing, a prefill, decodes, and (mixed hosts) both
     inference_batches.append((StepShape((min(128, t_max),)), 0))
     if limits.batching is Batching.MIXED:
         b = min(8, s_max - 1)
-        if b >= 1 and b * (kv_dec + 1) <= limits.max_kv_tokens:
+        if b >= 1 and b * (kv_dec + 1) + 32 <= limits.max_kv_tokens:
             inference_batches.append((StepShape(num_decode=b, kv_tokens=b * kv_dec), kv_dec))
+            inference_batches.append((StepShape((min(32, t_max - b),), num_decode=b,
+                                                kv_tokens=b * kv_dec), kv_dec))
 
     for base, kv in inference_batches:
         room_tokens = limits.max_tokens_per_step - base.num_tokens

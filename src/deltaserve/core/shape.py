@@ -25,6 +25,9 @@ class StepShape:
     tokens (``K``).
     ``ft_lens``: tokens of each fine-tuning sample riding in the step; their sum is ``T_ft``.
     ``mode``: execution mode. A step carrying fine-tuning tokens is always eager.
+    ``prefill_prefix_lens``: for each prefill chunk, the tokens of its request already in the
+    cache (empty: none has a prefix). They are part of ``kv_tokens`` too; they also set the
+    attention area of the chunk (see :attr:`prefill_sq_tokens`).
     """
 
     prefill_lens: tuple[int, ...] = ()
@@ -32,8 +35,15 @@ class StepShape:
     kv_tokens: int = 0
     ft_lens: tuple[int, ...] = ()
     mode: ExecMode = ExecMode.EAGER
+    prefill_prefix_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        require(not self.prefill_prefix_lens
+                or len(self.prefill_prefix_lens) == len(self.prefill_lens),
+                "prefill_prefix_lens", self.prefill_prefix_lens,
+                "one prefix per prefill chunk (or none)")
+        require(all(p >= 0 for p in self.prefill_prefix_lens), "prefill_prefix_lens",
+                self.prefill_prefix_lens, "must be >= 0")
         require(all(n > 0 for n in self.prefill_lens), "prefill_lens", self.prefill_lens,
                 "every prefill length must be > 0")
         require(all(n > 0 for n in self.ft_lens), "ft_lens", self.ft_lens,
@@ -65,9 +75,13 @@ class StepShape:
 
     @property
     def prefill_sq_tokens(self) -> int:
-        """``Σ n_i²`` over every prefill-shaped sequence (inference chunks and fine-tuning samples):
-        the causal self-attention among a sequence's own new tokens grows with its square."""
-        return sum(n * n for n in self.prefill_lens) + sum(m * m for m in self.ft_lens)
+        """``Σ n_i²`` over every prefill-shaped sequence (inference chunks and fine-tuning
+        samples): the causal self-attention among a sequence's own new tokens grows with its
+        square. A chunk behind a cached prefix ``p`` attends to it too, so it counts
+        ``n² + 2·n·p`` (twice its attention area, as ``n²`` is for a chunk alone)."""
+        sq = sum(n * n for n in self.prefill_lens) + sum(m * m for m in self.ft_lens)
+        return sq + 2 * sum(n * p for n, p in zip(self.prefill_lens, self.prefill_prefix_lens,
+                                                   strict=False))
 
     @property
     def has_inference(self) -> bool:

@@ -46,12 +46,19 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended in one padded batch."""
+
+    rows: torch.Tensor  # [g] rows of the step
+    blocks: torch.Tensor  # [g, n] block tables, padded
+    mask: torch.Tensor  # [g, 1, 1, n·block_size] True at real positions
+
+
+@dataclass(frozen=True)
 class StepAttentionMeta:
     num_inference_rows: int
     slot_mapping: torch.Tensor  # [num_inference_rows] cache slot of each inference row
-    num_decodes: int
-    decode_blocks: torch.Tensor | None  # [B_d, n] block table of each decode (padded)
-    decode_mask: torch.Tensor | None  # [B_d, 1, 1, n·block_size] True at real positions
+    decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
     training_lengths: tuple[int, ...]
 
@@ -72,13 +79,12 @@ class PagedAttention:
             kc.index_copy_(0, m.slot_mapping, k[:n_inf])
             vc.index_copy_(0, m.slot_mapping, v[:n_inf])
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        if m.num_decodes:
-            b = m.num_decodes
-            keys, vals = self.cache.gather(layer, m.decode_blocks)  # [B, L, Hkv, D]
+        for g in m.decodes:
+            keys, vals = self.cache.gather(layer, g.blocks)  # [g, L, Hkv, D]
             o = F.scaled_dot_product_attention(
-                q[:b].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=m.decode_mask, enable_gqa=q.shape[1] != k.shape[1])
-            out[:b] = o.squeeze(2).reshape(b, -1)
+                q[g.rows].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
+                attn_mask=g.mask, enable_gqa=q.shape[1] != k.shape[1])
+            out[g.rows] = o.squeeze(2).reshape(len(g.rows), -1)
         for chunk in m.prefills:
             qs = q[chunk.rows]
             if chunk.prefix_len == 0:

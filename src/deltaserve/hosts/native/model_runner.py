@@ -14,6 +14,7 @@ import torch
 
 from deltaserve.hosts.native.adapters import AdapterRegistry
 from deltaserve.hosts.native.attention import (
+    DecodeGroup,
     KVCache,
     PagedAttention,
     PrefillChunk,
@@ -67,8 +68,7 @@ class ModelRunner:
         by_adapter: dict[str, list[int]] = {}
         sample_rows: list[int] = []
         sample_reqs = []
-        decodes = batch.decodes
-        decode_ctx: list[tuple[int, list[int]]] = []
+        decode_ctx: list[tuple[int, int, list[int]]] = []  # (row, context, blocks)
         prefills: list[tuple[slice, int, list[int]]] = []
         bs = self.blocks.block_size
         for item in batch.items:
@@ -80,7 +80,7 @@ class ModelRunner:
             if req.adapter is not None:
                 by_adapter.setdefault(req.adapter, []).extend(range(row0, row0 + n))
             if item.is_decode:
-                decode_ctx.append((start + 1, req.block_table))
+                decode_ctx.append((row0, start + 1, req.block_table))
             else:
                 prefills.append((slice(row0, row0 + n), start,
                                  req.block_table[: -(-(start + n) // bs)] if start else []))
@@ -99,24 +99,11 @@ class ModelRunner:
         meta = StepAttentionMeta(
             num_inference_rows=n_inf,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(decodes),
-            decode_blocks=None, decode_mask=None,
+            decodes=_decode_groups(decode_ctx, bs, dev),
             prefills=tuple(PrefillChunk(rows, prefix, torch.tensor(ctx, dtype=torch.long,
                                                                    device=dev))
                            for rows, prefix, ctx in prefills),
             training_lengths=train_lengths)
-        if decodes:
-            width = max(-(-n // bs) for n, _ in decode_ctx)
-            padded = torch.zeros(len(decodes), width, dtype=torch.long)
-            mask = torch.zeros(len(decodes), width * bs, dtype=torch.bool)
-            for i, (n, table) in enumerate(decode_ctx):
-                used = -(-n // bs)
-                padded[i, :used] = torch.tensor(table[:used])
-                mask[i, :n] = True
-            meta = StepAttentionMeta(meta.num_inference_rows, meta.slot_mapping,
-                                     meta.num_decodes, padded.to(dev),
-                                     mask[:, None, None, :].to(dev), meta.prefills,
-                                     meta.training_lengths)
 
         groups = [LoRAGroup(self.adapters.get(name), _rows(r, dev))
                   for name, r in by_adapter.items()]
@@ -152,6 +139,33 @@ class ModelRunner:
         finally:
             self.current_layer = -1
         return StepResult(sampled, False, self.model.num_layers)
+
+
+def _decode_groups(decodes: list[tuple[int, int, list[int]]], block_size: int,
+                   device: torch.device, slack: float = 1.25) -> tuple[DecodeGroup, ...]:
+    """Decodes sorted by context length, cut where padding to the group's longest would
+    exceed ``slack`` × the shortest: the gathered KV then tracks Σ context, not B × max."""
+    groups: list[DecodeGroup] = []
+    ordered = sorted(decodes, key=lambda d: d[1])
+    i = 0
+    while i < len(ordered):
+        j = i + 1
+        limit = ordered[i][1] * slack + block_size
+        while j < len(ordered) and ordered[j][1] <= limit:
+            j += 1
+        part = ordered[i:j]
+        width = -(-part[-1][1] // block_size)
+        blocks = torch.zeros(len(part), width, dtype=torch.long)
+        mask = torch.zeros(len(part), width * block_size, dtype=torch.bool)
+        for r, (_, n, table) in enumerate(part):
+            used = -(-n // block_size)
+            blocks[r, :used] = torch.tensor(table[:used])
+            mask[r, :n] = True
+        rows = torch.tensor([row for row, _, _ in part], dtype=torch.long)
+        groups.append(DecodeGroup(rows.to(device), blocks.to(device),
+                                  mask[:, None, None, :].to(device)))
+        i = j
+    return tuple(groups)
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:

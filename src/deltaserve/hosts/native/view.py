@@ -9,8 +9,11 @@ from deltaserve.hosts.native.scheduler import ScheduledBatch, Scheduler
 
 
 def step_shape(batch: ScheduledBatch, mode: ExecMode = ExecMode.EAGER) -> StepShape:
-    return StepShape(tuple(i.num_tokens for i in batch.prefills), len(batch.decodes),
-                     sum(i.request.num_computed for i in batch.items), mode=mode)
+    prefills = batch.prefills
+    prefixes = tuple(i.request.num_computed for i in prefills)
+    return StepShape(tuple(i.num_tokens for i in prefills), len(batch.decodes),
+                     sum(i.request.num_computed for i in batch.items), mode=mode,
+                     prefill_prefix_lens=prefixes if any(prefixes) else ())
 
 
 def scheduling_view(batch: ScheduledBatch, scheduler: Scheduler, now_s: float,

@@ -22,7 +22,7 @@ import torch
 from deltaserve.core import DataConfig, HostLimits, SLOConfig, build_plan, load_dataset
 from deltaserve.core.latency_model import fit_from
 from deltaserve.model import LlamaModel, LoRAConfig
-from deltaserve.model.loading import load_tokenizer, load_weights, resolve_model
+from deltaserve.model.loading import load_tokenizer, load_weights, resolve_dtype, resolve_model
 from deltaserve.train.capture import training_only_step
 from deltaserve.train.coserver import CoServeConfig, CoServer
 from deltaserve.train.optim import OptimizerConfig
@@ -31,11 +31,12 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca
     "alpaca_5000.json"
 
 
-def peft_run(path: Path, samples, batches, lora: LoRAConfig, opt_cfg: OptimizerConfig) -> list:
+def peft_run(path: Path, samples, batches, lora: LoRAConfig, opt_cfg: OptimizerConfig,
+             dtype: torch.dtype) -> list:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     pm = get_peft_model(hf, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
                                        lora_dropout=lora.dropout,
                                        target_modules=list(lora.target_modules)))
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--batch-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    ap.add_argument("--save", default="residual", help="buffer: residual or residual+mlp")
     ap.add_argument("--out", default="benchmarks/out/backward_throughput.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -77,7 +80,8 @@ def main() -> None:
                                    tok)
     print(f"dataset: {report.num_samples} samples, {report.num_tokens} tokens "
           f"({report.num_bad_rows} bad rows skipped, {report.num_dropped_overlength} too long)")
-    model = LlamaModel(*load_weights(path))
+    dtype = resolve_dtype(args.dtype)
+    model = LlamaModel(*load_weights(path, dtype))
     lora = LoRAConfig(dropout=0.0)
     opt_cfg = OptimizerConfig()
     limits = HostLimits(2048, 64, 2048, 1 << 20)
@@ -86,7 +90,7 @@ def main() -> None:
     pool_samples = samples[: 40 * args.batches]
     co = CoServer(CoServeConfig(SLOConfig(1.0, 1.0), lora=lora, optimizer=opt_cfg,
                                 backward_batch_tokens=args.batch_tokens,
-                                backward_threads=args.threads),
+                                backward_threads=args.threads, buffer_save=args.save),
                   limits, model, pool_samples, base_model=str(path), latency_model=lm)
     fwd_times = []
     try:
@@ -102,10 +106,11 @@ def main() -> None:
     batches = [d.sample_ids for d in done[: args.batches]]
     tokens = [d.num_tokens for d in done[: args.batches]]
     bwd = [d.wall_s for d in done[: args.batches]]
-    peft = peft_run(path, pool_samples, batches, lora, opt_cfg)
+    peft = peft_run(path, pool_samples, batches, lora, opt_cfg, dtype)
     total_tokens = sum(tokens)
     res = {
-        "model": args.model, "threads": args.threads, "batches": len(batches),
+        "model": args.model, "threads": args.threads, "dtype": str(dtype), "save": args.save,
+        "batches": len(batches),
         "tokens": total_tokens,
         "peft_tokens_per_s": total_tokens / sum(peft),
         "deltaserve_backward_tokens_per_s": total_tokens / sum(bwd),

@@ -42,6 +42,7 @@ class BenchConfig:
     lora_alpha: float = 32.0
     lora_dropout: float = 0.05
     grant_policy: str = "auto"
+    backward_threads: int | None = None
     calibration_file: str | None = None
     standalone_seconds: float = 20.0
     heldout: int = 60

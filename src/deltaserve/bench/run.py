@@ -63,7 +63,8 @@ def _coserve_config(cfg: BenchConfig, spec: SystemSpec, slo: SLOConfig, root: Pa
         optimizer=OptimizerConfig(lr=cfg.lr),
         checkpoint=CheckpointConfig(root=str(root), every_steps=10**9, resume=False),
         backward_batch_tokens=cfg.backward_batch_tokens, interrupt=spec.interrupt,
-        num_epochs=None, seed=cfg.seed, grant_policy=cfg.grant_policy)
+        num_epochs=None, seed=cfg.seed, grant_policy=cfg.grant_policy,
+        backward_threads=cfg.backward_threads)
 
 
 def _window(events: list[tuple[float, int, int]], result: ReplayResult) -> tuple[int, int]:
@@ -73,7 +74,10 @@ def _window(events: list[tuple[float, int, int]], result: ReplayResult) -> tuple
 
 def run_system(cfg: BenchConfig, spec: SystemSpec, trace: Trace, prompts: PromptSource,
                samples, lm_path: Path, slo: SLOConfig, out: Path, threads: int) -> SystemRun:
-    host_threads = max(1, threads - 1) if spec.split_pool else threads
+    # split-pool, and co-serving on partitioned cores, leave cores to their trainer
+    partitioned = spec.coserve and cfg.grant_policy == "partition"
+    host_threads = max(1, threads - (cfg.backward_threads or 1)) \
+        if spec.split_pool or partitioned else threads
     kit = make_host(cfg, host_threads)
     host = kit.host
     host.latency_model = LatencyModel.load(lm_path)  # every system starts from one calibration

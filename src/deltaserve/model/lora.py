@@ -78,6 +78,7 @@ class AdapterWeights:
         require(flat.numel() == offset and flat.dtype == torch.float32, "adapter", flat.shape,
                 f"expected {offset} fp32 values for this model and LoRA config")
         self.flat = flat
+        self._layout = layout
         self._views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, module, a_off, a_shape, b_off, b_shape in layout:
             a = flat[a_off: a_off + a_shape[0] * a_shape[1]].view(a_shape)
@@ -111,8 +112,36 @@ class AdapterWeights:
         return self
 
     def clone(self, requires_grad: bool = False) -> AdapterWeights:
-        flat = self.flat.detach().clone().requires_grad_(requires_grad)
-        return AdapterWeights(self.model_config, self.config, flat)
+        out = AdapterWeights(self.model_config, self.config, self.flat.detach().clone())
+        return out.make_trainable_() if requires_grad else out
+
+    def make_trainable_(self) -> AdapterWeights:
+        """Make every A and B a leaf of its own that shares the flat storage. A view of one
+        grad-requiring flat tensor would make each use's gradient a zero-filled tensor of the
+        whole adapter (measured: a third of the backward's time); as separate leaves each
+        receives only its own, and :meth:`gather_grad_` assembles ``flat.grad``."""
+        with torch.no_grad():
+            self._views = {key: (a.detach().requires_grad_(True), b.detach().requires_grad_(True))
+                           for key, (a, b) in self._views.items()}
+        self.flat.requires_grad_(True)
+        return self
+
+    def gather_grad_(self) -> torch.Tensor:
+        """Move the per-matrix gradients into ``flat.grad`` (in layout order) and return it."""
+        grad = self.flat.grad
+        if grad is None:
+            grad = torch.zeros_like(self.flat, requires_grad=False)
+        for layer, module, a_off, a_shape, b_off, b_shape in self._layout:
+            a, b = self._views[(layer, module)]
+            for t, off, shape in ((a, a_off, a_shape), (b, b_off, b_shape)):
+                dst = grad[off: off + shape[0] * shape[1]]
+                if t.grad is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(t.grad.reshape(-1))
+                    t.grad = None
+        self.flat.grad = grad
+        return grad
 
     def to_peft_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}

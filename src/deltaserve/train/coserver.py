@@ -90,7 +90,8 @@ class CoServeConfig:
                 self.buffer_tokens, "must be > 0")
         require(self.backward_threads is None or self.backward_threads >= 1, "backward_threads",
                 self.backward_threads, "must be >= 1")
-        require_choice("grant_policy", self.grant_policy, ("auto", "prefill", "inference"))
+        require_choice("grant_policy", self.grant_policy,
+                       ("auto", "prefill", "inference", "partition"))
         require(self.num_epochs is None or self.num_epochs >= 1, "num_epochs", self.num_epochs,
                 "must be >= 1")
         require(self.max_yield_s > 0, "max_yield_s", self.max_yield_s, "must be > 0")
@@ -210,7 +211,7 @@ class CoServer:
             # the step gets every core: stop the backward and wait out its current layer
             self.backward.grant.clear()
             self.backward.wait_parked(3 * self._layer_s)
-        elif s.prefill_lens or s.ft_lens:
+        elif self.config.grant_policy == "prefill" and (s.prefill_lens or s.ft_lens):
             self.backward.grant.clear()
         self._abortable = bool(plan.samples) and not s.has_inference
 

@@ -47,7 +47,8 @@ def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: Activ
                        samples: Sequence[JobSample], dropout: float,
                        wait_grant: GrantWait | None = None,
                        on_layer: Callable[[int], None] | None = None) -> BackwardStats:
-    """Accumulate into ``adapter.flat.grad`` the gradient of the mean response-token loss."""
+    """Accumulate into the adapter's matrices (trainable: see ``make_trainable_``) the gradient
+    of the mean response-token loss; ``gather_grad_`` collects it into ``flat.grad``."""
     device = buffer.residual.device if not buffer.config.offload else model.weights.device
     lengths = [s.length for s in samples]
     rows = torch.cat([torch.arange(s.row_start, s.row_start + s.length) for s in samples])

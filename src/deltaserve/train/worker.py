@@ -52,6 +52,7 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
     t0 = time.perf_counter()
     stats = layerwise_backward(model, trainable, shared.buffer, job.samples, spec.lora.dropout,
                                wait_grant, on_layer)
+    trainable.gather_grad_()
     max_norm = spec.optimizer.max_grad_norm
     if max_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_([trainable.flat], max_norm))
@@ -77,7 +78,7 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, 
     torch.set_num_threads(spec.num_threads)
     model = LlamaModel(shared.model_config, shared.weights)
     trainable = AdapterWeights(shared.model_config, spec.lora,
-                               shared.adapter_flat.detach().clone().requires_grad_(True))
+                               shared.adapter_flat.detach().clone()).make_trainable_()
     opt = build_adamw(trainable.flat, spec.optimizer, shared.optimizer)
 
     def wait_grant(layer: int) -> float:

@@ -184,7 +184,7 @@ def test_gradients_from_vllm_activations_equal_peft(host, latency):
                 for s in admitted]
         trainable = weights.clone(requires_grad=True)
         layerwise_backward(co.model, trainable, co.buffer, jobs, 0.0)
-        ours = trainable.flat.grad
+        ours = trainable.gather_grad_()
     finally:
         detach(host, drain=False, checkpoint=False)
 

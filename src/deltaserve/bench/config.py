@@ -13,7 +13,9 @@ class BenchConfig:
     load; ``peak_fraction`` sets the auto-scaled trace's peak as a share of the host's measured
     capacity (``rate_scale`` fixes the factor instead). ``length_scale`` shrinks the trace's
     token counts to the model and machine (prompts and outputs are then clipped to fit).
-    ``skip_bad_rows``: skip (and count) malformed dataset rows instead of stopping at the first."""
+    ``skip_bad_rows``: skip (and count) malformed dataset rows instead of stopping at the first.
+    ``pipeline``: admit the next backward batch while the backward runs (Algorithm 1 waits;
+    this overlaps them, at one optimizer step of staleness in the captured activations)."""
 
     trace: str = "burst-light"
     systems: str = "inference-only,deltaserve,llmstation,split-pool,deltaserve-temp"
@@ -43,6 +45,7 @@ class BenchConfig:
     lora_dropout: float = 0.05
     grant_policy: str = "auto"
     backward_threads: int | None = None
+    pipeline: bool = False
     calibration_file: str | None = None
     standalone_seconds: float = 20.0
     heldout: int = 60

@@ -58,12 +58,15 @@ def _log(cfg: BenchConfig, msg: str) -> None:
 def _coserve_config(cfg: BenchConfig, spec: SystemSpec, slo: SLOConfig, root: Path
                     ) -> CoServeConfig:
     return CoServeConfig(
-        slo=slo, admission=AdmissionConfig(mode=spec.mode),
+        slo=slo, admission=AdmissionConfig(mode=spec.mode,
+                                           admit_during_backward=cfg.pipeline),
+        buffer_tokens=3 * cfg.backward_batch_tokens + cfg.max_num_batched_tokens
+        if cfg.pipeline else None,
         lora=LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout),
         optimizer=OptimizerConfig(lr=cfg.lr),
         checkpoint=CheckpointConfig(root=str(root), every_steps=10**9, resume=False),
         backward_batch_tokens=cfg.backward_batch_tokens, interrupt=spec.interrupt,
-        num_epochs=None, seed=cfg.seed, grant_policy=cfg.grant_policy,
+        num_epochs=None, seed=cfg.seed, grant_policy=grant_policy(cfg),
         backward_threads=cfg.backward_threads)
 
 
@@ -72,15 +75,28 @@ def _window(events: list[tuple[float, int, int]], result: ReplayResult) -> tuple
     return sum(e[1] for e in inside), sum(e[2] for e in inside)
 
 
+def grant_policy(cfg: BenchConfig) -> str:
+    """``auto`` on a CPU: partition the cores (the host on all but the backward's), which on
+    this workload beat time-slicing every core (threads scale sub-linearly on both sides)."""
+    if cfg.grant_policy != "auto":
+        return cfg.grant_policy
+    return "prefill" if torch.cuda.is_available() and cfg.host == "vllm" else "partition"
+
+
+def host_threads(cfg: BenchConfig, spec: SystemSpec, threads: int) -> int:
+    """Split-pool, and co-serving on partitioned cores, leave cores to their trainer."""
+    partitioned = spec.coserve and grant_policy(cfg) == "partition"
+    if spec.split_pool or partitioned:
+        return max(1, threads - (cfg.backward_threads or 1))
+    return threads
+
+
 def run_system(cfg: BenchConfig, spec: SystemSpec, trace: Trace, prompts: PromptSource,
                samples, lm_path: Path, slo: SLOConfig, out: Path, threads: int) -> SystemRun:
-    # split-pool, and co-serving on partitioned cores, leave cores to their trainer
-    partitioned = spec.coserve and cfg.grant_policy == "partition"
-    host_threads = max(1, threads - (cfg.backward_threads or 1)) \
-        if spec.split_pool or partitioned else threads
-    kit = make_host(cfg, host_threads)
+    """``lm_path``: the calibration of a host with this system's thread count."""
+    kit = make_host(cfg, host_threads(cfg, spec, threads))
     host = kit.host
-    host.latency_model = LatencyModel.load(lm_path)  # every system starts from one calibration
+    host.latency_model = LatencyModel.load(lm_path)  # systems alike start from one calibration
     trainer = None
     co = None
     root = out / "checkpoints" / spec.name
@@ -94,7 +110,7 @@ def run_system(cfg: BenchConfig, spec: SystemSpec, trace: Trace, prompts: Prompt
             trainer = StandaloneTrainer(str(resolve_model(cfg.model)), samples, LoRAConfig(
                 r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout),
                 OptimizerConfig(lr=cfg.lr), cfg.backward_batch_tokens,
-                threads=max(1, threads - host_threads), dtype=cfg.dtype)
+                threads=max(1, threads - host_threads(cfg, spec, threads)), dtype=cfg.dtype)
             trainer.start()
         result = replay(host, trace, prompts, label=spec.name, progress=cfg.progress)
         errors = {e.mode: e for e in host.latency_model.online_error(min_seconds=0.02)}
@@ -129,7 +145,8 @@ def calibration_config(cfg: BenchConfig) -> CalibrationConfig:
 
 
 def _calibrate(cfg: BenchConfig, out: Path, threads: int) -> Path:
-    path = out / "latency_model.json"
+    """The latency model of a host running on ``threads`` CPU threads."""
+    path = out / f"latency_model_{threads}t.json"
     if cfg.calibration_file:
         LatencyModel.load(cfg.calibration_file).save(path)
         return path
@@ -205,8 +222,9 @@ def run_bench(cfg: BenchConfig) -> dict:
               f"dropped {data_report.num_dropped_overlength} longer than "
               f"{data_cfg.max_tokens} tokens")
 
-    lm_path = _calibrate(cfg, out, threads)
-    lm = LatencyModel.load(lm_path)
+    lm_paths = {n: _calibrate(cfg, out, n)
+                for n in sorted({host_threads(cfg, s, threads) for s in specs} | {threads})}
+    lm = LatencyModel.load(lm_paths[threads])
     raw = load_trace(cfg.trace, seed=cfg.seed, duration_s=cfg.duration_s)
     if cfg.duration_s and raw.duration_s > cfg.duration_s:
         raw = raw.window(0, cfg.duration_s)
@@ -232,7 +250,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     runs: dict[str, SystemRun] = {}
     for spec in specs:
-        runs[spec.name] = run_system(cfg, spec, trace, prompts, samples, lm_path, slo, out,
+        runs[spec.name] = run_system(cfg, spec, trace, prompts, samples,
+                                     lm_paths[host_threads(cfg, spec, threads)], slo, out,
                                      threads)
     idle = None
     if "inference-only" in runs:

@@ -80,7 +80,7 @@ def grant_policy(cfg: BenchConfig) -> str:
     this workload beat time-slicing every core (threads scale sub-linearly on both sides)."""
     if cfg.grant_policy != "auto":
         return cfg.grant_policy
-    return "prefill" if torch.cuda.is_available() and cfg.host == "vllm" else "partition"
+    return "prefill" if torch.cuda.is_available() else "partition"
 
 
 def host_threads(cfg: BenchConfig, spec: SystemSpec, threads: int) -> int:

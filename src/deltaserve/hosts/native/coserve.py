@@ -9,20 +9,23 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import replace
 
 from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import CalibrationConfig
-from deltaserve.core.data import DataConfig, TrainingSample, load_dataset
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.native.calibrate import calibrate
+from deltaserve.train.attach_args import (
+    Dataset,
+    resolve_config,
+    resolve_latency_model,
+    resolve_samples,
+)
 from deltaserve.train.coserver import CoServeConfig, CoServer
 
 
-def attach(engine, *, dataset: str | os.PathLike | DataConfig | Sequence[TrainingSample],
+def attach(engine, *, dataset: Dataset,
            slo: SLOConfig | None = None, config: CoServeConfig | None = None,
            latency_model: LatencyModel | str | os.PathLike | None = None,
            calibration: CalibrationConfig | None = None, progress: bool = True,
@@ -38,22 +41,9 @@ def attach(engine, *, dataset: str | os.PathLike | DataConfig | Sequence[Trainin
     """
     if engine.coserver is not None:
         raise InputError("coserver", "attached", "detach the current co-server first")
-    if config is None:
-        if slo is None:
-            raise InputError("slo", None, "give an SLO (ttft_s, tpot_s) or a full config")
-        config = CoServeConfig(slo=slo, **overrides)
-    elif overrides:
-        config = replace(config, **overrides)
-    if isinstance(dataset, (str, os.PathLike)):
-        dataset = DataConfig(os.fspath(dataset), max_tokens=engine.limits.max_tokens_per_step)
-    if isinstance(dataset, DataConfig):
-        if engine.tokenizer is None:
-            raise InputError("dataset", dataset.path, "tokenizing needs the model's tokenizer")
-        samples, _ = load_dataset(dataset, engine.tokenizer)
-    else:
-        samples = list(dataset)
-    if isinstance(latency_model, (str, os.PathLike)):
-        latency_model = LatencyModel.load(latency_model)
+    config = resolve_config(config, slo, overrides)
+    samples = resolve_samples(dataset, engine.tokenizer, engine.limits.max_tokens_per_step)
+    latency_model = resolve_latency_model(latency_model)
     if latency_model is None:
         latency_model = calibrate(engine, config.lora, calibration, config.latency,
                                   seed=config.seed, progress=progress)

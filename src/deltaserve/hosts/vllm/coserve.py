@@ -35,7 +35,7 @@ from typing import Any
 
 from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import CalibrationConfig
-from deltaserve.core.data import DataConfig, TrainingSample, load_dataset
+from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.slo import SLOConfig
@@ -44,6 +44,12 @@ from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.model.peft_io import save_adapter
+from deltaserve.train.attach_args import (
+    Dataset,
+    resolve_config,
+    resolve_latency_model,
+    resolve_samples,
+)
 from deltaserve.train.coserver import CoServeConfig, CoServer
 
 TRAIN_ADAPTER_NAME = "deltaserve-train"
@@ -54,12 +60,7 @@ TRAIN_ADAPTER_ID = 1_000_000
 def coserve_config(config: CoServeConfig | None, slo: SLOConfig | None,
                    overrides: dict[str, Any]) -> CoServeConfig:
     """The co-server's config for this host: ``lora.dropout`` forced to 0.0 (module docstring)."""
-    if config is None:
-        if slo is None:
-            raise InputError("slo", None, "give an SLO (ttft_s, tpot_s) or a full config")
-        config = CoServeConfig(slo=slo, **overrides)
-    elif overrides:
-        config = replace(config, **overrides)
+    config = resolve_config(config, slo, overrides)
     if config.lora.dropout != 0.0:
         warnings.warn(f"lora_dropout={config.lora.dropout}: vLLM's LoRA forward applies no "
                       "dropout, so the backward on the vLLM host trains with lora_dropout=0.0 "
@@ -138,7 +139,7 @@ def host_of(engine: Any) -> Any:
     return VLLMHost(llm=engine)
 
 
-def attach(engine: Any, *, dataset: str | os.PathLike | DataConfig | Sequence[TrainingSample],
+def attach(engine: Any, *, dataset: Dataset,
            slo: SLOConfig | None = None, config: CoServeConfig | None = None,
            latency_model: LatencyModel | str | os.PathLike | None = None,
            calibration: CalibrationConfig | None = None, progress: bool = True,
@@ -154,13 +155,9 @@ def attach(engine: Any, *, dataset: str | os.PathLike | DataConfig | Sequence[Tr
         raise InputError("coserver", "attached", "detach the current co-server first")
     config = coserve_config(config, slo, overrides)
     check_lora_fits(config.lora, host.vllm_config)
-    if isinstance(dataset, (str, os.PathLike)):
-        dataset = DataConfig(os.fspath(dataset), max_tokens=host.limits.max_tokens_per_step)
-    samples = (load_dataset(dataset, host.tokenizer)[0] if isinstance(dataset, DataConfig)
-               else list(dataset))
+    samples = resolve_samples(dataset, host.tokenizer, host.limits.max_tokens_per_step)
     host.reserve_training_adapter(config.lora, config.seed)
-    if isinstance(latency_model, (str, os.PathLike)):
-        latency_model = LatencyModel.load(latency_model)
+    latency_model = resolve_latency_model(latency_model)
     if latency_model is None:
         latency_model = calibrate(host, config.lora, calibration, config.latency,
                                   seed=config.seed, progress=progress)

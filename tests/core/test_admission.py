@@ -1,6 +1,9 @@
+import itertools
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deltaserve.core import (
     AdmissionConfig,
@@ -191,3 +194,59 @@ def test_batch_room_lets_only_the_last_sample_overshoot():
     assert plan.shape.ft_lens == (10, 20) and plan.skip is Skip.BUFFER_FULL  # 30 >= 25: stop
     assert sched.plan(view(), batch_room_tokens=0).skip is Skip.BUFFER_FULL
     assert len(pool) == 2
+
+
+def reference_greedy(sched, proposed, delta, batch_room):
+    """Algorithm 1's inner loop one sample at a time (the definition the planner's closed form
+    per run of equal lengths must reproduce)."""
+    room_tokens = min(sched.limits.max_tokens_per_step - proposed.num_tokens,
+                      sched.config.max_ft_tokens_per_step, sched.ledger.largest_free_run)
+    room_seqs = sched.limits.max_seqs_per_step - proposed.num_seqs
+    lens, stop = [], Skip.POOL_EMPTY
+    for _, n in sched.pool.iter_available():
+        tok = sum(lens)
+        if tok >= batch_room:
+            stop = Skip.BUFFER_FULL
+            break
+        if tok + n > room_tokens or len(lens) >= room_seqs:
+            stop = (Skip.BUFFER_FULL if tok + n > sched.ledger.largest_free_run
+                    else Skip.STEP_LIMIT)
+            break
+        if sched.model.predict_upper(proposed.with_ft((*lens, n))) > delta:
+            stop = Skip.OVER_BUDGET
+            break
+        lens.append(n)
+    return tuple(lens), stop
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=80),
+       prefill=st.lists(st.integers(1, 300), max_size=3), num_decode=st.integers(0, 20),
+       waited_s=st.floats(0.0, 0.45), capacity=st.integers(1, 2000),
+       cap=st.integers(1, 3000), seqs=st.integers(1, 64),
+       batch_room=st.one_of(st.none(), st.integers(1, 500)))
+def test_plan_equals_per_sample_greedy(lengths, prefill, num_decode, waited_s, capacity, cap,
+                                       seqs, batch_room):
+    limits = HostLimits(max_tokens_per_step=2048, max_seqs_per_step=64 + seqs,
+                        max_model_len=1024, max_kv_tokens=100_000)
+    sched, pool, ledger = make(lengths, capacity, AdmissionConfig(max_ft_tokens_per_step=cap),
+                               limits)
+    proposed = StepShape(tuple(prefill), num_decode=num_decode, kv_tokens=10 * num_decode)
+    waiting = (WaitingRequest(100.0 - waited_s, 0),) if prefill else ()
+    v = view(proposed, waiting=waiting, oldest_decode_token_s=99.95 if num_decode else None)
+    order = [sid for sid, _ in pool.iter_available()]
+    delta = sched.budget(v).delta_s
+    want_lens, want_stop = reference_greedy(sched, proposed, delta,
+                                            math.inf if batch_room is None else batch_room)
+    plan = sched.plan(v, batch_room_tokens=batch_room)
+    if plan.skip is Skip.BUDGET_EXHAUSTED:  # the inference batch alone is over Δ
+        assert not want_lens
+        return
+    assert plan.shape.ft_lens == want_lens
+    assert [s.sample_id for s in plan.samples] == order[:len(want_lens)]
+    assert plan.skip is want_stop
+    if want_lens:
+        assert plan.predicted_s == pytest.approx(MODEL.predict_upper(plan.shape), rel=1e-9)
+        spans = [s.rows for s in plan.samples]
+        assert all(a.stop == b.start for a, b in itertools.pairwise(spans))
+        assert ledger.used_tokens == sum(want_lens)

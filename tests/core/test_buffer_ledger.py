@@ -49,3 +49,19 @@ def test_errors():
         b.free(2)
     with pytest.raises(InputError):
         BufferLedger(0)
+
+
+def test_reserve_many_is_one_contiguous_run_or_nothing():
+    ledger = BufferLedger(100)
+    ledger.reserve(99, 10)  # rows 0..9
+    assert ledger.reserve_many([1, 2, 3], [5, 20, 7]) == 10
+    assert [ledger.span(i) for i in (1, 2, 3)] == [(10, 5), (15, 20), (35, 7)]
+    assert ledger.reserve_many([4, 5], [40, 20]) is None  # 58 rows free, no run of 60
+    assert not ledger.holds(4) and ledger.used_tokens == 42
+    with pytest.raises(InputError):
+        ledger.reserve_many([6, 2], [1, 1])  # 2 already holds rows
+    with pytest.raises(InputError):
+        ledger.reserve_many([7, 7], [1, 1])
+    assert ledger.used_tokens == 42 and ledger.largest_free_run == 58  # a refusal reserves nothing
+    ledger.free(2)
+    assert ledger.largest_free_run == 58 and ledger.free_tokens == 78

@@ -70,21 +70,21 @@ class LLMStationScheduler(AdmissionScheduler):
         room = min(self.limits.max_tokens_per_step - proposed.num_tokens,
                    self.config.max_ft_tokens_per_step, self.ledger.largest_free_run)
         batch_room = math.inf if batch_room_tokens is None else batch_room_tokens
-        chosen: list[tuple[int, int]] = []
+        lens: list[int] = []
         tok, cost, stop = 0, 0.0, Skip.POOL_EMPTY
-        for sid, n in self.pool.iter_available():
+        for _, n in self.pool.iter_available():
             if tok >= batch_room:
                 stop = Skip.BUFFER_FULL
                 break
-            if tok + n > room or len(chosen) >= self.limits.max_seqs_per_step - b:
+            if tok + n > room or len(lens) >= self.limits.max_seqs_per_step - b:
                 stop = Skip.STEP_LIMIT
                 break
             c = self.lookup_s(b, tok + n) if b else 0.0
             if c > limit_s:
                 stop = Skip.OVER_BUDGET
                 break
-            chosen.append((sid, n))
+            lens.append(n)
             tok, cost = tok + n, c
-        if not chosen:
+        if not lens:
             return AdmissionPlan((), proposed, None, math.nan, stop)
-        return self._admit(proposed, chosen, None, cost, stop)
+        return self._admit(proposed, lens, None, cost, stop)

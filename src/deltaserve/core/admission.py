@@ -11,6 +11,8 @@ and hold buffer rows, so nothing is picked twice.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -90,19 +92,34 @@ class AdmittedSample(NamedTuple):
 
 @dataclass(frozen=True)
 class AdmissionPlan:
-    """The step to run: the host's batch plus ``samples`` (in the order their rows are laid out
-    in the step). ``skip`` says why admission stopped; ``predicted_s`` is the margin-inflated
-    prediction of ``shape``."""
+    """The step to run: the host's batch plus the admitted samples ``sample_ids`` (in the order
+    their rows are laid out in the step; their lengths end ``shape.ft_lens``), whose buffer rows
+    are one contiguous run from ``row_start``. ``skip`` says why admission stopped;
+    ``predicted_s`` is the margin-inflated prediction of ``shape``.
 
-    samples: tuple[AdmittedSample, ...]
+    The plan stores arrays, not an object per sample, so a decision costs little per admitted
+    sample; :attr:`samples` gives the per-sample view.
+    """
+
+    sample_ids: tuple[int, ...]
     shape: StepShape
     budget: StepBudget | None
     predicted_s: float
     skip: Skip | None
+    row_start: int = 0
+
+    @functools.cached_property
+    def samples(self) -> tuple[AdmittedSample, ...]:
+        if not self.sample_ids:
+            return ()
+        lens = self.shape.ft_lens[len(self.shape.ft_lens) - len(self.sample_ids):]
+        starts = itertools.accumulate(lens[:-1], initial=self.row_start)
+        return tuple(AdmittedSample(sid, n, RowSpan(start, n))
+                     for sid, n, start in zip(self.sample_ids, lens, starts, strict=True))
 
     @property
     def num_ft_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.samples)
+        return sum(self.shape.ft_lens[len(self.shape.ft_lens) - len(self.sample_ids):])
 
 
 class AdmissionScheduler:
@@ -176,45 +193,60 @@ class AdmissionScheduler:
         room_tokens = min(self.limits.max_tokens_per_step - proposed.num_tokens,
                           self.config.max_ft_tokens_per_step, self.ledger.largest_free_run)
         room_seqs = self.limits.max_seqs_per_step - proposed.num_seqs
-        # Equation I is linear in (Σm², Σm) of the samples: price candidates incrementally.
-        base, alpha, gamma, scale = pricer.base_s, pricer.alpha, pricer.gamma, pricer.scale
-        chosen: list[tuple[int, int]] = []
-        sq = tok = 0
-        cost = base_s
-        stop = Skip.POOL_EMPTY
         batch_room = math.inf if batch_room_tokens is None else batch_room_tokens
-        for sid, n in self.pool.iter_available():
-            if tok >= batch_room:
-                stop = Skip.BUFFER_FULL
+        # Equation I is linear in (Σm², Σm) of the samples, and candidates come in runs of equal
+        # length: each run's admitted count has a closed form (one check per run, not per
+        # sample), after which the next candidate says why admission stopped.
+        base, alpha, gamma, scale = pricer.base_s, pricer.alpha, pricer.gamma, pricer.scale
+
+        def cost(sq: int, tok: int) -> float:
+            return (base + alpha * sq + gamma * tok) * scale
+
+        lens: list[int] = []
+        sq = tok = 0
+        c = base_s
+        stop = Skip.POOL_EMPTY
+        for n, count in self.pool.iter_buckets():
+            k = max(0, min(count, (room_tokens - tok) // n, room_seqs - len(lens)))
+            if batch_room != math.inf:  # a sample may start while the batch is short
+                k = min(k, max(0, -(-(batch_room - tok) // n)))
+            per = alpha * n * n + gamma * n
+            if k and per > 0 and math.isfinite(delta):
+                cap = k
+                q = (delta / scale - base - alpha * sq - gamma * tok) / per
+                k = cap if q >= cap else max(0, int(q))
+                # the closed form rounds: settle on the exact greedy boundary
+                while k > 0 and cost(sq + k * n * n, tok + k * n) > delta:
+                    k -= 1
+                while k < cap and cost(sq + (k + 1) * n * n, tok + (k + 1) * n) <= delta:
+                    k += 1
+            if k:
+                lens += [n] * k
+                sq, tok = sq + k * n * n, tok + k * n
+                c = cost(sq, tok)
+            if k < count:  # the next candidate (length n) does not fit: why
+                if tok >= batch_room:
+                    stop = Skip.BUFFER_FULL
+                elif tok + n > room_tokens or len(lens) >= room_seqs:
+                    # the buffer's free run and the host's step limits both bound the step
+                    stop = Skip.BUFFER_FULL if tok + n > self.ledger.largest_free_run \
+                        else Skip.STEP_LIMIT
+                else:
+                    stop = Skip.OVER_BUDGET
                 break
-            if tok + n > room_tokens or len(chosen) >= room_seqs:
-                # the buffer's free run and the host's step limits both bound the step
-                stop = Skip.BUFFER_FULL if tok + n > self.ledger.largest_free_run \
-                    else Skip.STEP_LIMIT
-                break
-            c = (base + alpha * (sq + n * n) + gamma * (tok + n)) * scale
-            if c > delta:
-                stop = Skip.OVER_BUDGET
-                break
-            chosen.append((sid, n))
-            sq, tok, cost = sq + n * n, tok + n, c
-        if not chosen:
+        if not lens:
             return AdmissionPlan((), proposed, budget, base_s, stop)
+        return self._admit(proposed, lens, budget, c, stop)
 
-        return self._admit(proposed, chosen, budget, cost, stop)
-
-    def _admit(self, proposed: StepShape, chosen: list[tuple[int, int]],
-               budget: StepBudget | None, cost: float, stop: Skip) -> AdmissionPlan:
-        """Claim ``chosen`` (a prefix of the pool's candidate order) and reserve their rows as
-        one contiguous run."""
-        claimed = self.pool.claim_first(len(chosen))
-        assert claimed == [sid for sid, _ in chosen]
-        spans = self.ledger.reserve_many(chosen)
-        assert spans is not None  # the step's tokens fit the largest free run
-        admitted = tuple(AdmittedSample(sid, n, span)
-                         for (sid, n), span in zip(chosen, spans, strict=True))
-        shape = proposed.with_ft(tuple(n for _, n in chosen))
-        return AdmissionPlan(admitted, shape, budget, cost, stop)
+    def _admit(self, proposed: StepShape, lens: list[int], budget: StepBudget | None,
+               cost: float, stop: Skip) -> AdmissionPlan:
+        """Claim the first ``len(lens)`` candidates of the pool (whose lengths are ``lens``) and
+        reserve their rows as one contiguous run."""
+        ids = self.pool.claim_first(len(lens))
+        row_start = self.ledger.reserve_many(ids, lens)
+        assert row_start is not None  # the step's tokens fit the largest free run
+        return AdmissionPlan(tuple(ids), proposed.with_ft(tuple(lens)), budget, cost, stop,
+                             row_start)
 
     def _precheck(self, view: SchedulingView, backward_running: bool) -> Skip | None:
         cfg = self.config

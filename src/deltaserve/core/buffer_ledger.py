@@ -7,6 +7,7 @@ keeps reservations O(free runs); capacity is small (hundreds to a few thousand r
 from __future__ import annotations
 
 import bisect
+import itertools
 from typing import NamedTuple
 
 from deltaserve.core.errors import InputError, require
@@ -31,7 +32,7 @@ class BufferLedger:
         require(capacity_tokens > 0, "capacity_tokens", capacity_tokens, "must be > 0")
         self.capacity_tokens = capacity_tokens
         self._free: list[tuple[int, int]] = [(0, capacity_tokens)]  # sorted (start, length)
-        self._held: dict[int, RowSpan] = {}
+        self._held: dict[int, tuple[int, int]] = {}  # sample id -> (start, length)
 
     @property
     def free_tokens(self) -> int:
@@ -39,7 +40,7 @@ class BufferLedger:
 
     @property
     def used_tokens(self) -> int:
-        return sum(s.length for s in self._held.values())
+        return sum(n for _, n in self._held.values())
 
     @property
     def largest_free_run(self) -> int:
@@ -49,7 +50,7 @@ class BufferLedger:
         return sample_id in self._held
 
     def span(self, sample_id: int) -> RowSpan:
-        return self._held[sample_id]
+        return RowSpan(*self._held[sample_id])
 
     def reserve(self, sample_id: int, num_tokens: int) -> RowSpan | None:
         """Rows for one sample, or ``None`` when no contiguous run is long enough."""
@@ -63,14 +64,18 @@ class BufferLedger:
                 else:
                     self._free[i] = (start + num_tokens, length - num_tokens)
                 span = RowSpan(start, num_tokens)
-                self._held[sample_id] = span
+                self._held[sample_id] = (start, num_tokens)
                 return span
         return None
 
-    def reserve_many(self, items: list[tuple[int, int]]) -> list[RowSpan] | None:
-        """Rows for several ``(sample_id, num_tokens)`` as one contiguous run, split in order;
-        ``None`` (nothing reserved) when no run holds them all."""
-        total = sum(n for _, n in items)
+    def reserve_many(self, ids: list[int], lens: list[int]) -> int | None:
+        """Rows for samples ``ids`` of ``lens`` tokens as one contiguous run, split in order;
+        returns the run's first row, or ``None`` (nothing reserved) when no free run holds them
+        all. Admission calls this once per step, so it does no per-sample object work."""
+        if not self._held.keys().isdisjoint(ids) or len(set(ids)) != len(ids):
+            sid = next(i for k, i in enumerate(ids) if i in self._held or i in ids[:k])
+            raise InputError("sample_id", sid, "already holds buffer rows")
+        total = sum(lens)
         for i, (start, length) in enumerate(self._free):
             if length >= total:
                 if length == total:
@@ -80,21 +85,16 @@ class BufferLedger:
                 break
         else:
             return None
-        spans = []
-        for sid, n in items:
-            if sid in self._held:
-                raise InputError("sample_id", sid, "already holds buffer rows")
-            span = self._held[sid] = RowSpan(start, n)
-            spans.append(span)
-            start += n
-        return spans
+        starts = itertools.accumulate(lens[:-1], initial=start)
+        self._held.update(zip(ids, zip(starts, lens, strict=True), strict=True))
+        return start
 
     def free(self, sample_id: int) -> None:
         span = self._held.pop(sample_id, None)
         if span is None:
             raise InputError("sample_id", sample_id, "holds no buffer rows")
-        i = bisect.bisect_left(self._free, (span.start, 0))
-        self._free.insert(i, (span.start, span.length))
+        i = bisect.bisect_left(self._free, (span[0], 0))
+        self._free.insert(i, span)
         # merge with neighbours so free runs stay maximal
         if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
             self._free[i] = (self._free[i][0], self._free[i][1] + self._free[i + 1][1])

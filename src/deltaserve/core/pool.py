@@ -97,6 +97,13 @@ class SamplePool:
             for sid in self._buckets[n]:
                 yield sid, n
 
+    def iter_buckets(self) -> Iterator[tuple[int, int]]:
+        """``(length, count)`` of available samples in increasing length: the candidate order of
+        :meth:`iter_available`, one run of equal lengths at a time."""
+        buckets = self._buckets
+        for n in self._sorted_lens:
+            yield n, len(buckets[n])
+
     def progress(self) -> PoolProgress:
         return PoolProgress(self._epoch, self.num_epochs, len(self._lengths), self._num_committed,
                             self._num_claimed, self._tokens_total, self._samples_total)
@@ -127,14 +134,17 @@ class SamplePool:
         while len(ids) < k and self._sorted_lens:
             n = self._sorted_lens[0]
             bucket = self._buckets[n]
-            take = list(itertools.islice(bucket, k - len(ids)))
-            for sid in take:
-                del bucket[sid]
-                state[sid] = claimed
-            ids += take
-            if not bucket:
+            if len(bucket) <= k - len(ids):  # the whole run of this length
+                take = list(bucket)
                 del self._buckets[n]
                 self._sorted_lens.pop(0)
+            else:
+                take = list(itertools.islice(bucket, k - len(ids)))
+                for sid in take:
+                    del bucket[sid]
+            for sid in take:
+                state[sid] = claimed
+            ids += take
         self._num_claimed += len(ids)
         return ids
 

@@ -42,11 +42,11 @@ class StepShape:
                 or len(self.prefill_prefix_lens) == len(self.prefill_lens),
                 "prefill_prefix_lens", self.prefill_prefix_lens,
                 "one prefix per prefill chunk (or none)")
-        require(all(p >= 0 for p in self.prefill_prefix_lens), "prefill_prefix_lens",
+        require(min(self.prefill_prefix_lens, default=0) >= 0, "prefill_prefix_lens",
                 self.prefill_prefix_lens, "must be >= 0")
-        require(all(n > 0 for n in self.prefill_lens), "prefill_lens", self.prefill_lens,
+        require(min(self.prefill_lens, default=1) > 0, "prefill_lens", self.prefill_lens,
                 "every prefill length must be > 0")
-        require(all(n > 0 for n in self.ft_lens), "ft_lens", self.ft_lens,
+        require(min(self.ft_lens, default=1) > 0, "ft_lens", self.ft_lens,
                 "every fine-tuning sample length must be > 0")
         require(self.num_decode >= 0, "num_decode", self.num_decode, "must be >= 0")
         require(self.kv_tokens >= 0, "kv_tokens", self.kv_tokens, "must be >= 0")
@@ -98,7 +98,8 @@ class StepShape:
 
     def with_ft(self, ft_lens: tuple[int, ...]) -> StepShape:
         """This step with fine-tuning samples added; the result runs eager."""
-        return replace(self, ft_lens=self.ft_lens + tuple(ft_lens), mode=ExecMode.EAGER)
+        return StepShape(self.prefill_lens, self.num_decode, self.kv_tokens,
+                         self.ft_lens + tuple(ft_lens), ExecMode.EAGER, self.prefill_prefix_lens)
 
     def inference_only(self) -> StepShape:
         return replace(self, ft_lens=())

@@ -3,7 +3,8 @@
 Target: under 50 µs per decision. The cost is a fixed part plus a part per run of equal-length
 candidates and a small part per admitted sample (claiming it, holding its rows), so the run sweeps
 the per-step fine-tuning cap (which sets how many samples one decision admits) and reports each.
-A decision ends with the samples claimed from the pool and their rows reserved. Writes JSON (default benchmarks/out/admission_latency.json).
+A decision ends with the samples claimed from the pool and their rows reserved. Writes JSON
+(default benchmarks/out/admission_latency.json).
 
     python benchmarks/admission_latency.py [--pool 10000] [--batch 64] [--steps 5000]
 """

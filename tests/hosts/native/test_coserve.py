@@ -5,8 +5,9 @@ import threading
 import time
 
 import pytest
+import torch
 
-from deltaserve.core import AdmissionConfig, CalibrationConfig, SLOConfig, StepShape
+from deltaserve.core import AdmissionConfig, CalibrationConfig, ExecMode, SLOConfig, StepShape
 from deltaserve.core.admission import Skip
 from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
 from deltaserve.hosts.native.coserve import attach, detach
@@ -26,9 +27,10 @@ def tiny(tmp_path_factory):
     return path
 
 
-def engine(path):
+def engine(path, device="cpu"):
     return LLMEngine(EngineConfig(model=str(path), max_num_seqs=16, max_num_batched_tokens=128,
-                                  block_size=8, kv_cache_tokens=4096, max_model_len=256))
+                                  block_size=8, kv_cache_tokens=4096, max_model_len=256,
+                                  device=device))
 
 
 def coserve(eng, slo=SLOConfig(5.0, 5.0), n_samples=40, **kw):
@@ -53,11 +55,16 @@ def replay(eng, ps, gap_s, params):
     return [eng.pop_finished(i) for i in ids]
 
 
-def test_outputs_identical_with_and_without_coserving(tiny):
+@pytest.mark.parametrize("device", [
+    "cpu",
+    # CUDA: graph-replayed decodes, the activation buffer shared with the backward by CUDA IPC
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_outputs_identical_with_and_without_coserving(tiny, device):
     ps = prompts(100, seed=5)
     params = SamplingParams(max_tokens=8)
-    base = [o.output_token_ids for o in replay(engine(tiny), ps, 0.002, params)]
-    eng = engine(tiny)
+    base = [o.output_token_ids for o in replay(engine(tiny, device), ps, 0.002, params)]
+    eng = engine(tiny, device)
     eng.record_steps = True
     co = coserve(eng)
     try:
@@ -70,6 +77,8 @@ def test_outputs_identical_with_and_without_coserving(tiny):
         stats = co.stats()
         assert stats.ft_tokens_committed > 0 and stats.optimizer_steps > 0
         assert any(r.ft_tokens and r.shape.has_inference for r in eng.step_log)  # mixed steps
+        if device == "cuda":
+            assert any(r.shape.mode is ExecMode.GRAPH for r in eng.step_log)
     finally:
         detach(eng, drain=False, checkpoint=False)
 

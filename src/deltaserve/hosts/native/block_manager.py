@@ -15,6 +15,13 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free)
 
+    def reserve_block(self) -> int:
+        """Take one block out of circulation for good (the scratch block of padded steps)."""
+        if not self._free:
+            raise RuntimeError("no free block to reserve")
+        self.num_blocks -= 1
+        return self._free.pop()
+
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
         """New blocks ``req`` needs to hold ``num_tokens`` tokens in total."""
         want = -(-num_tokens // self.block_size)

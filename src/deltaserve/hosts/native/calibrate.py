@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, build_plan
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
+from deltaserve.core.shape import StepShape
 from deltaserve.hosts.native.model_runner import TrainingRows
 from deltaserve.hosts.native.request import Request, SamplingParams
 from deltaserve.hosts.native.scheduler import ScheduledBatch, ScheduledItem
@@ -75,6 +76,31 @@ def _training_rows(model_config, lora: LoRAConfig, ft_lens, rng: random.Random,
                                                        tuple(segments)), capture)
 
 
+def _time_probe(engine, probe, lora: LoRAConfig, rng: random.Random, adapter: AdapterWeights,
+                scratch: torch.Tensor) -> tuple[StepShape, float]:
+    """The shape a probe ran as (its mode is what the step reported) and the median seconds of
+    its repeats after one warm-up run: one slow run (another process on the core) is not the
+    shape."""
+    mc = engine.model.config
+    times, shape = [], None
+    for r in range(probe.repeats + 1):
+        p = _Probe(engine, probe, rng)
+        training = _training_rows(mc, lora, probe.shape.ft_lens, rng, adapter, scratch)
+        try:
+            t0 = time.perf_counter()
+            result = engine.runner.run(p.batch, training)
+            seconds = time.perf_counter() - t0
+        finally:
+            p.release()
+        if r > 0:  # the first run of a shape warms caches and allocators
+            times.append(seconds)
+            shape = step_shape(p.batch, result.mode)
+            if probe.shape.ft_lens:
+                shape = shape.with_ft(probe.shape.ft_lens)
+    assert shape is not None
+    return shape, statistics.median(times)
+
+
 def calibrate(engine, lora: LoRAConfig, config: CalibrationConfig | None = None,
               latency: LatencyModelConfig | None = None, *, seed: int = 0,
               progress: bool = True) -> LatencyModel:
@@ -88,22 +114,17 @@ def calibrate(engine, lora: LoRAConfig, config: CalibrationConfig | None = None,
     scratch = torch.empty(mc.num_layers, engine.limits.max_tokens_per_step, mc.hidden_size,
                           dtype=engine.model.weights.dtype, device=engine.model.weights.device)
     rng = random.Random(seed)
+    graphs = engine.runner.graphs
     for probe in tqdm(plan, desc="calibrating", unit="probe", disable=not progress):
-        times, shape = [], None
-        for r in range(probe.repeats + 1):
-            p = _Probe(engine, probe, rng)
-            training = _training_rows(mc, lora, probe.shape.ft_lens, rng, adapter, scratch)
+        # a decode-only probe on a graph host runs both ways: base-model decodes replay graphs,
+        # decodes carrying adapters run eager, and the model needs coefficients for both
+        both = graphs is not None and probe.shape.is_decode_only and probe.shape.num_decode > 0
+        for use_graphs in ((True, False) if both else (graphs is not None,)):
+            engine.runner.graphs = graphs if use_graphs else None
             try:
-                t0 = time.perf_counter()
-                engine.runner.run(p.batch, training)
-                seconds = time.perf_counter() - t0
+                shape, seconds = _time_probe(engine, probe, lora, rng, adapter, scratch)
             finally:
-                p.release()
-            if r > 0:  # the first run of a shape warms caches and allocators
-                times.append(seconds)
-                shape = step_shape(p.batch).with_ft(probe.shape.ft_lens) \
-                    if probe.shape.ft_lens else step_shape(p.batch)
-        # the median of the repeats: one slow run (another process on the core) is not the shape
-        model.add_calibration(shape, statistics.median(times))
+                engine.runner.graphs = graphs
+            model.add_calibration(shape, seconds)
     model.fit()
     return model

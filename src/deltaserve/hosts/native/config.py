@@ -15,7 +15,9 @@ class EngineConfig:
     (recomputed later) when decodes run out of them.
     ``max_model_len``: longest prompt + output (default: the model's limit, capped at 4096).
     ``dtype``: weights and activations; ``auto`` takes bfloat16 where the hardware has native
-    bf16 matmul (see :func:`deltaserve.model.loading.resolve_dtype`)."""
+    bf16 matmul (see :func:`deltaserve.model.loading.resolve_dtype`).
+    ``cuda_graphs``: on a CUDA device, decode steps of base-model requests replay CUDA graphs
+    captured at start-up for batch sizes 1, 2, 4, … ``max_num_seqs`` (ignored elsewhere)."""
 
     model: str = "smollm2"
     dtype: str = "float32"
@@ -27,6 +29,7 @@ class EngineConfig:
     kv_cache_tokens: int = 65_536
     num_threads: int | None = None
     seed: int = 0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         require_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))

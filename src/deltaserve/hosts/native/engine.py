@@ -24,6 +24,7 @@ from deltaserve.hosts.native.adapters import AdapterRegistry
 from deltaserve.hosts.native.attention import KVCache
 from deltaserve.hosts.native.block_manager import BlockManager
 from deltaserve.hosts.native.config import EngineConfig
+from deltaserve.hosts.native.cuda_graphs import DecodeGraphs, buckets_up_to
 from deltaserve.hosts.native.model_runner import ModelRunner, StepResult, TrainingRows
 from deltaserve.hosts.native.request import (
     Request,
@@ -71,6 +72,12 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.adapters = AdapterRegistry(mc)
         self.runner = ModelRunner(model, self.cache, self.blocks, self.adapters, self.sampler)
+        if config.cuda_graphs and model.weights.device.type == "cuda":
+            self.runner.graphs = DecodeGraphs(
+                model, self.cache, batch_sizes=buckets_up_to(config.max_num_seqs),
+                max_blocks=-(-self.max_model_len // config.block_size),
+                scratch_block=self.blocks.reserve_block(), capture=True)
+            self.runner.graphs.capture_all()
         self.eos_token_ids = self._eos_ids()
         self.coserver = None  # a deltaserve.train.coserver.CoServer once attached
         self.latency_model: LatencyModel | None = None
@@ -89,7 +96,13 @@ class LLMEngine:
                           c.kv_cache_tokens, Batching.MIXED)
 
     def execution_mode(self, shape: StepShape) -> ExecMode:
-        return ExecMode.EAGER  # CUDA-graph decode replay is not implemented in this engine
+        """Graph for a decode-only step a captured bucket holds (assuming base-model requests:
+        the shape does not say which rows carry adapters; the step reports what it ran)."""
+        g = self.runner.graphs
+        if g is None or not shape.is_decode_only or shape.ft_lens or not shape.num_decode:
+            return ExecMode.EAGER
+        longest = -(-shape.kv_tokens // shape.num_decode) + 1  # the mean context, at least
+        return ExecMode.EAGER if g.bucket(shape.num_decode, longest) is None else ExecMode.GRAPH
 
     # ---- clients ----------------------------------------------------------------------------
     def add_lora(self, name: str, adapter) -> None:
@@ -147,10 +160,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         co = self.coserver
         now = time.monotonic()
+        mode = self.runner.mode_for(batch)
         if co is None:
             if batch.is_empty:
                 return False
-            shape = step_shape(batch)
+            shape = step_shape(batch, mode)
             result, seconds = self._timed_run(batch, None)
             if self.latency_model is not None:
                 self.latency_model.observe(shape, seconds)
@@ -158,12 +172,12 @@ class LLMEngine:
             self._postprocess(batch, result)
             return True
 
-        view = scheduling_view(batch, self.scheduler, now)
+        view = scheduling_view(batch, self.scheduler, now, mode)
         if not batch.is_empty:
             pause = co.yield_budget_s(view)
             if pause > 0:  # the SLOs have room: the backward gets the machine first
                 co.yield_to_backward(pause, self._wake)
-                view = scheduling_view(batch, self.scheduler, time.monotonic())
+                view = scheduling_view(batch, self.scheduler, time.monotonic(), mode)
         plan = co.plan(view)
         if batch.is_empty and not plan.samples:
             return False

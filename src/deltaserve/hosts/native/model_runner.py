@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.core.shape import ExecMode
 from deltaserve.hosts.native.adapters import AdapterRegistry
 from deltaserve.hosts.native.attention import (
     DecodeGroup,
@@ -21,6 +22,7 @@ from deltaserve.hosts.native.attention import (
     StepAttentionMeta,
 )
 from deltaserve.hosts.native.block_manager import BlockManager
+from deltaserve.hosts.native.cuda_graphs import DecodeGraphs
 from deltaserve.hosts.native.sampler import Sampler
 from deltaserve.hosts.native.scheduler import ScheduledBatch
 from deltaserve.model.llama import ForwardContext, LlamaModel
@@ -48,6 +50,7 @@ class StepResult:
     sampled: dict[str, int]  # request id → next token
     aborted: bool
     layers_run: int
+    mode: ExecMode = ExecMode.EAGER
 
 
 class ModelRunner:
@@ -60,8 +63,31 @@ class ModelRunner:
         self.sampler = sampler
         self.device = model.weights.device
         self.current_layer = -1  # the layer the running step is about to enter (for tests)
+        self.graphs: DecodeGraphs | None = None  # set by the engine where graphs are captured
+
+    def mode_for(self, batch: ScheduledBatch) -> ExecMode:
+        """How ``batch`` runs without fine-tuning rows: a graph when every item is a decode of a
+        base-model request and a captured bucket holds it (rows carrying an adapter, prefills
+        and training rows have data-dependent shapes)."""
+        g = self.graphs
+        if g is None or not batch.items or batch.prefills:
+            return ExecMode.EAGER
+        if any(i.request.adapter is not None for i in batch.items):
+            return ExecMode.EAGER
+        longest = max(i.request.num_computed + 1 for i in batch.items)
+        return ExecMode.EAGER if g.bucket(len(batch.items), longest) is None else ExecMode.GRAPH
 
     def run(self, batch: ScheduledBatch, training: TrainingRows | None = None) -> StepResult:
+        """One step, finished on the device when it returns (so a caller's clock times it)."""
+        if training is None and self.mode_for(batch) is ExecMode.GRAPH:
+            result = self._run_graph(batch)
+        else:
+            result = self._run_eager(batch, training)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return result
+
+    def _run_eager(self, batch: ScheduledBatch, training: TrainingRows | None) -> StepResult:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -139,6 +165,20 @@ class ModelRunner:
         finally:
             self.current_layer = -1
         return StepResult(sampled, False, self.model.num_layers)
+
+
+    def _run_graph(self, batch: ScheduledBatch) -> StepResult:
+        assert self.graphs is not None
+        reqs = [i.request for i in batch.items]
+        positions = [r.num_computed for r in reqs]
+        logits = self.graphs.run(
+            [r.all_token_ids[p] for r, p in zip(reqs, positions, strict=True)], positions,
+            [self.blocks.slots(r, p, p + 1)[0] for r, p in zip(reqs, positions, strict=True)],
+            [r.block_table for r in reqs], [p + 1 for p in positions])
+        tokens = self.sampler.sample(logits, [r.request_id for r in reqs],
+                                     [r.params for r in reqs])
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        return StepResult(sampled, False, self.model.num_layers, ExecMode.GRAPH)
 
 
 def _decode_groups(decodes: list[tuple[int, int, list[int]]], block_size: int,

@@ -13,7 +13,9 @@ def test_parse_systems():
                                        "split-pool"]
     assert not specs[0].coserve and specs[1].mode is AdmissionMode.TEMP
     assert specs[2].scheduler_cls is LLMStationScheduler and specs[3].split_pool
-    assert len(parse_systems(",".join(SYSTEMS))) == 6
+    assert len(parse_systems(",".join(SYSTEMS))) == 7
+    pipe, = parse_systems("deltaserve-pipeline")
+    assert pipe.coserve and pipe.pipeline and pipe.mode is AdmissionMode.FULL
     with pytest.raises(InputError):
         parse_systems("deltaserve,s-lora")
     with pytest.raises(InputError):

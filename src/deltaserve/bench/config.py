@@ -18,7 +18,8 @@ class BenchConfig:
     this overlaps them, at one optimizer step of staleness in the captured activations)."""
 
     trace: str = "burst-light"
-    systems: str = "inference-only,deltaserve,llmstation,split-pool,deltaserve-temp"
+    systems: str = ("inference-only,deltaserve,deltaserve-pipeline,llmstation,split-pool,"
+                    "deltaserve-temp")
     duration_s: float | None = None
     model: str = "smollm2"
     dtype: str = "auto"

@@ -57,11 +57,11 @@ def _log(cfg: BenchConfig, msg: str) -> None:
 
 def _coserve_config(cfg: BenchConfig, spec: SystemSpec, slo: SLOConfig, root: Path
                     ) -> CoServeConfig:
+    pipeline = cfg.pipeline or spec.pipeline
     return CoServeConfig(
-        slo=slo, admission=AdmissionConfig(mode=spec.mode,
-                                           admit_during_backward=cfg.pipeline),
+        slo=slo, admission=AdmissionConfig(mode=spec.mode, admit_during_backward=pipeline),
         buffer_tokens=3 * cfg.backward_batch_tokens + cfg.max_num_batched_tokens
-        if cfg.pipeline else None,
+        if pipeline else None,
         lora=LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout),
         optimizer=OptimizerConfig(lr=cfg.lr),
         checkpoint=CheckpointConfig(root=str(root), every_steps=10**9, resume=False),

@@ -8,14 +8,16 @@ from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.core.admission import AdmissionMode, AdmissionScheduler
 from deltaserve.core.errors import InputError
 
-SYSTEMS = ("inference-only", "deltaserve", "deltaserve-temp", "deltaserve-no-interrupt",
-           "llmstation", "split-pool")
+SYSTEMS = ("inference-only", "deltaserve", "deltaserve-pipeline", "deltaserve-temp",
+           "deltaserve-no-interrupt", "llmstation", "split-pool")
 
 
 @dataclass(frozen=True)
 class SystemSpec:
     """``coserve``: fine-tuning rides in the host's batches; ``split_pool``: the host gets part
-    of the machine and a standalone trainer the rest."""
+    of the machine and a standalone trainer the rest; ``pipeline``: admission fills the next
+    backward batch while the backward runs (Algorithm 1 waits for it), at one optimizer step of
+    staleness in the captured activations."""
 
     name: str
     coserve: bool = False
@@ -23,11 +25,13 @@ class SystemSpec:
     interrupt: bool = True
     scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler
     split_pool: bool = False
+    pipeline: bool = False
 
 
 _SPECS = {
     "inference-only": SystemSpec("inference-only"),
     "deltaserve": SystemSpec("deltaserve", coserve=True),
+    "deltaserve-pipeline": SystemSpec("deltaserve-pipeline", coserve=True, pipeline=True),
     "deltaserve-temp": SystemSpec("deltaserve-temp", coserve=True, mode=AdmissionMode.TEMP),
     "deltaserve-no-interrupt": SystemSpec("deltaserve-no-interrupt", coserve=True,
                                           interrupt=False),

@@ -55,6 +55,17 @@ def replay(eng, ps, gap_s, params):
     return [eng.pop_finished(i) for i in ids]
 
 
+def finish_epoch(eng, co, timeout_s=120.0) -> list[int]:
+    """Step (training-only steps when idle) until the epoch is committed; the committed ids."""
+    deadline = time.monotonic() + timeout_s
+    while not co.pool.progress().finished and time.monotonic() < deadline:
+        if not eng.step():
+            co.idle(timeout_s=0.05)
+            if not co.backward_busy:
+                co.drain()
+    return [i for c in co.commits for i in c.done.sample_ids]
+
+
 @pytest.mark.parametrize("device", [
     "cpu",
     # CUDA: graph-replayed decodes, the activation buffer shared with the backward by CUDA IPC
@@ -143,13 +154,7 @@ def test_arrival_aborts_training_only_step_within_one_layer(tiny):
         co.capture = capture
         while eng.has_unfinished():
             eng.step()
-        while not co.pool.progress().finished:
-            if not eng.step():
-                co.idle(timeout_s=0.05)
-                if not co.backward_busy:
-                    co.drain()
-        committed = [i for c in co.commits for i in c.done.sample_ids]
-        assert sorted(committed) == list(range(12))
+        assert sorted(finish_epoch(eng, co)) == list(range(12))
     finally:
         detach(eng, drain=False, checkpoint=False)
 
@@ -218,14 +223,7 @@ def test_pipelined_admission_trains_every_sample_exactly_once(tiny):
     co.plan = spy
     try:
         assert [o.output_token_ids for o in replay(eng, ps, 0.005, params)] == base
-        deadline = time.monotonic() + 120
-        while not co.pool.progress().finished and time.monotonic() < deadline:
-            if not eng.step():
-                co.idle(timeout_s=0.05)
-                if not co.backward_busy:
-                    co.drain()
-        committed = [i for c in co.commits for i in c.done.sample_ids]
-        assert sorted(committed) == list(range(24))
+        assert sorted(finish_epoch(eng, co)) == list(range(24))
         assert admitted_while_busy  # the overlap Algorithm 1 forbids did happen
     finally:
         detach(eng, drain=False, checkpoint=False)

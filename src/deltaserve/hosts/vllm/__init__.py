@@ -43,8 +43,8 @@ if "vllm" not in sys.modules and is_cpu_build():
 
 _EXPORTS = {
     "VLLMHost": "deltaserve.hosts.vllm.host",
-    "VLLMHostConfig": "deltaserve.hosts.vllm.host",
-    "engine_kwargs": "deltaserve.hosts.vllm.host",
+    "VLLMHostConfig": "deltaserve.hosts.vllm.config",
+    "engine_kwargs": "deltaserve.hosts.vllm.config",
     "attach": "deltaserve.hosts.vllm.coserve",
     "detach": "deltaserve.hosts.vllm.coserve",
     "train_while_idle": "deltaserve.hosts.vllm.coserve",

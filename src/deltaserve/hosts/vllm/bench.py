@@ -23,8 +23,9 @@ def lora_rank_for(r: int) -> int:
 def make_vllm_host(cfg: Any, threads: int) -> Any:
     """A ``HostKit`` for a :class:`deltaserve.bench.config.BenchConfig`."""
     from deltaserve.bench.hosts import HostKit
+    from deltaserve.hosts.vllm.config import VLLMHostConfig
     from deltaserve.hosts.vllm.coserve import attach, detach
-    from deltaserve.hosts.vllm.host import VLLMHost, VLLMHostConfig
+    from deltaserve.hosts.vllm.host import VLLMHost
 
     blocks = max(1, cfg.kv_cache_tokens // CPU_BLOCK_SIZE)
     host = VLLMHost(VLLMHostConfig(

@@ -113,7 +113,7 @@ class EngineFacts:
 
 
 def engine_facts(worker: Any) -> EngineFacts:
-    from deltaserve.hosts.vllm.host import engine_limits
+    from deltaserve.hosts.vllm.config import engine_limits
     from deltaserve.model.loading import load_tokenizer, read_config, resolve_model
 
     vc = worker.vllm_config

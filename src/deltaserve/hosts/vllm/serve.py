@@ -82,7 +82,7 @@ def build_parser() -> Any:
 def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     """Resolve the model and set the engine flags co-serving depends on."""
     from deltaserve.hosts.vllm.bench import lora_rank_for
-    from deltaserve.hosts.vllm.host import SCHEDULER_CLS, WORKER_EXTENSION_CLS
+    from deltaserve.hosts.vllm.config import SCHEDULER_CLS, WORKER_EXTENSION_CLS
     from deltaserve.model.loading import resolve_model
 
     model = args.model_tag or args.model

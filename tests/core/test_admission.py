@@ -41,15 +41,19 @@ SHAPES = [StepShape((n,)) for n in (10, 50, 100, 300, 700)] + [
     StepShape(ft_lens=f) for f in ((100,), (300, 20))] + [
     StepShape(num_decode=b) for b in (1, 2, 4, 8, 16, 32, 64)]
 MODEL = fit_from([(s, exact(s)) for s in SHAPES], LatencyModelConfig(margin_floor=0.0))
+# the same host, but its inference rows cost 0.5 ms more each once training rows ride along (ζ)
+MODEL_ZETA = fit_from([(s, exact(s) + (5e-4 * (s.num_prefill_tokens + s.num_decode)
+                                       if s.ft_lens else 0.0)) for s in SHAPES],
+                      LatencyModelConfig(margin_floor=0.0))
 SLO = SLOConfig(ttft_s=0.5, tpot_s=0.1)
 LIMITS = HostLimits(max_tokens_per_step=2048, max_seqs_per_step=64, max_model_len=1024,
                     max_kv_tokens=100_000)
 
 
-def make(lengths=(10, 20, 30, 40), capacity=1000, config=None, limits=LIMITS):
+def make(lengths=(10, 20, 30, 40), capacity=1000, config=None, limits=LIMITS, model=MODEL):
     pool = SamplePool(list(lengths))
     ledger = BufferLedger(capacity)
-    sched = AdmissionScheduler(config or AdmissionConfig(), SLO, limits, MODEL, pool, ledger)
+    sched = AdmissionScheduler(config or AdmissionConfig(), SLO, limits, model, pool, ledger)
     return sched, pool, ledger
 
 
@@ -224,13 +228,14 @@ def reference_greedy(sched, proposed, delta, batch_room):
        prefill=st.lists(st.integers(1, 300), max_size=3), num_decode=st.integers(0, 20),
        waited_s=st.floats(0.0, 0.45), capacity=st.integers(1, 2000),
        cap=st.integers(1, 3000), seqs=st.integers(1, 64),
-       batch_room=st.one_of(st.none(), st.integers(1, 500)))
+       batch_room=st.one_of(st.none(), st.integers(1, 500)),
+       model=st.sampled_from([MODEL, MODEL_ZETA]))
 def test_plan_equals_per_sample_greedy(lengths, prefill, num_decode, waited_s, capacity, cap,
-                                       seqs, batch_room):
+                                       seqs, batch_room, model):
     limits = HostLimits(max_tokens_per_step=2048, max_seqs_per_step=64 + seqs,
                         max_model_len=1024, max_kv_tokens=100_000)
     sched, pool, ledger = make(lengths, capacity, AdmissionConfig(max_ft_tokens_per_step=cap),
-                               limits)
+                               limits, model)
     proposed = StepShape(tuple(prefill), num_decode=num_decode, kv_tokens=10 * num_decode)
     waiting = (WaitingRequest(100.0 - waited_s, 0),) if prefill else ()
     v = view(proposed, waiting=waiting, oldest_decode_token_s=99.95 if num_decode else None)
@@ -246,7 +251,7 @@ def test_plan_equals_per_sample_greedy(lengths, prefill, num_decode, waited_s, c
     assert [s.sample_id for s in plan.samples] == order[:len(want_lens)]
     assert plan.skip is want_stop
     if want_lens:
-        assert plan.predicted_s == pytest.approx(MODEL.predict_upper(plan.shape), rel=1e-9)
+        assert plan.predicted_s == pytest.approx(model.predict_upper(plan.shape), rel=1e-9)
         spans = [s.rows for s in plan.samples]
         assert all(a.stop == b.start for a, b in itertools.pairwise(spans))
         assert ledger.used_tokens == sum(want_lens)

@@ -16,8 +16,9 @@ from deltaserve.core import (
 )
 from deltaserve.core.latency_model import fit_from
 
-EAGER_I = dict(alpha=2e-8, beta=2e-4, gamma=2.6e-4, epsilon=1e-6, c=5e-3)
-GRAPH_I = dict(alpha=2e-8, beta=1.8e-4, gamma=0.0, epsilon=8e-7, c=1e-3)
+# ζ: inference rows cost more beside training rows (an engine's LoRA over the whole batch)
+EAGER_I = dict(alpha=2e-8, beta=2e-4, gamma=2.6e-4, epsilon=1e-6, c=5e-3, zeta=1.2e-4)
+GRAPH_I = dict(alpha=2e-8, beta=1.8e-4, gamma=0.0, epsilon=8e-7, c=1e-3, zeta=0.0)
 EAGER_II = dict(beta=5e-4, epsilon=2e-6, c=4e-3)
 GRAPH_II = dict(beta=3e-4, epsilon=1.5e-6, c=6e-4)
 TRUE = {
@@ -35,8 +36,9 @@ def true_time(s: StepShape) -> float:
         k = TRUE[(Equation.DECODE, s.mode)]
         return k["beta"] * s.num_decode + k["epsilon"] * s.kv_tokens + k["c"]
     k = TRUE[(Equation.MIXED, s.mode)]
-    return (k["alpha"] * s.prefill_sq_tokens + k["beta"] * (s.num_prefill_tokens + s.num_decode)
-            + k["gamma"] * s.num_ft_tokens + k["epsilon"] * s.kv_tokens + k["c"])
+    rows = s.num_prefill_tokens + s.num_decode
+    return (k["alpha"] * s.prefill_sq_tokens + k["beta"] * rows + k["gamma"] * s.num_ft_tokens
+            + k["epsilon"] * s.kv_tokens + k["c"] + (k["zeta"] * rows if s.ft_lens else 0.0))
 
 
 def random_shapes(rng, n, mode=ExecMode.EAGER):
@@ -179,6 +181,30 @@ def test_json_round_trip(fitted, tmp_path):
     loaded.fit()  # the observations travelled too: refitting gives the same model
     for s in random_shapes(rng, 20):
         assert loaded.predict(s) == pytest.approx(fitted.predict(s), rel=1e-9)
+
+
+def test_format_1_files_load_with_zeta_zero_and_refit_it(fitted, tmp_path):
+    import json
+
+    path = tmp_path / "lm.json"
+    fitted.save(path)
+    doc = json.loads(path.read_text())
+    doc["format"] = "deltaserve.latency_model/1"
+    for entry in doc["keys"]:  # what format 1 wrote: no ζ column, no ζ coefficient
+        if entry["equation"] == "mixed":
+            entry["coefficients"] = entry["coefficients"] and entry["coefficients"][:5]
+            for name in ("anchors", "online"):
+                entry[name] = [r[:5] + r[6:] for r in entry[name]]
+    path.write_text(json.dumps(doc))
+    old = LatencyModel.load(path)
+    zeta = fitted.coefficients(Equation.MIXED, ExecMode.EAGER)["zeta"]
+    plain, beside = StepShape((200,), num_decode=3, kv_tokens=900), StepShape((200,), 3, 900)
+    beside = beside.with_ft((64,))
+    assert old.predict(plain) == pytest.approx(fitted.predict(plain), rel=1e-12)
+    assert old.predict(beside) == pytest.approx(fitted.predict(beside) - zeta * 203, rel=1e-9)
+    old.fit()  # the upgraded observations carry the ζ feature: a refit finds ζ again
+    assert old.coefficients(Equation.MIXED, ExecMode.EAGER)["zeta"] == pytest.approx(zeta,
+                                                                                     rel=1e-6)
 
 
 def test_load_rejects_other_files(tmp_path):

@@ -145,6 +145,7 @@ def test_grant_pauses_backward_within_one_layer(tmp_path):
 def test_killed_backward_loses_no_sample(base_path):
     samples = fx.samples(10)
     co = make(base_path, samples, batch_tokens=10_000)
+    assert co.backward.ready  # the co-server waits for the process before serving
     model = fx.model(base_path)
     try:
         while training_only_step(co, model) is not None:
@@ -158,11 +159,26 @@ def test_killed_backward_loses_no_sample(base_path):
         co.poll()  # notices the death: samples back in the pool, a new process started
         assert co.stats().worker_restarts == 1 and not co.backward.busy
         assert len(co.pool) == 10 and co.backward.process.pid != lost_pid
+        co.backward.wait_ready()  # the restarted process reports in like the first
         co.backward.grant.set()
         while training_only_step(co, model) is not None:
             pass
         co.drain()
         assert co.stats().ft_samples_committed == 10 and co.pool.progress().finished
+    finally:
+        co.backward.stop()
+
+
+def test_backward_that_cannot_start_is_an_error(base_path):
+    from deltaserve.train.backward_process import BackwardProcess
+    from deltaserve.train.worker import WorkerSpec
+
+    co = make(base_path, fx.samples(2))
+    try:
+        broken = BackwardProcess(WorkerSpec(co.config.lora, co.config.optimizer, num_threads=0),
+                                 co.backward.shared)  # torch.set_num_threads(0) raises
+        with pytest.raises(RuntimeError, match="exited during start-up"):
+            broken.wait_ready(timeout_s=60)
     finally:
         co.backward.stop()
 

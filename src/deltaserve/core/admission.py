@@ -197,7 +197,9 @@ class AdmissionScheduler:
         # Equation I is linear in (Σm², Σm) of the samples, and candidates come in runs of equal
         # length: each run's admitted count has a closed form (one check per run, not per
         # sample), after which the next candidate says why admission stopped.
-        base, alpha, gamma, scale = pricer.base_s, pricer.alpha, pricer.gamma, pricer.scale
+        # once a sample rides along, the inference rows may cost more (ζ of the latency model)
+        base = pricer.base_s + pricer.beside_s
+        alpha, gamma, scale = pricer.alpha, pricer.gamma, pricer.scale
 
         def cost(sq: int, tok: int) -> float:
             return (base + alpha * sq + gamma * tok) * scale

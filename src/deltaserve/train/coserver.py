@@ -111,6 +111,7 @@ class CoServer:
             WorkerSpec(config.lora, config.optimizer, config.backward_threads),
             SharedState(model.config, model.weights, self.adapter.flat, self.optimizer_state,
                         self.buffer))
+        self.backward.wait_ready()
 
         self._plan: AdmissionPlan | None = None
         self._abortable = False

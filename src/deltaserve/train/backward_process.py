@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
+from deltaserve.train.grant import Grant
 from deltaserve.train.messages import (
     BackwardDone,
     BackwardFailed,
@@ -39,8 +40,7 @@ class BackwardProcess:
         self._ctx = mp.get_context("spawn")
         self.spec = spec
         self.shared = shared
-        self.grant = self._ctx.Event()
-        self.grant.set()
+        self.grant = Grant(self._ctx)
         self.layers_done = self._ctx.Value("q", 0, lock=False)
         self.parked = self._ctx.Value("b", 1, lock=False)
         self.in_flight: BackwardJob | None = None
@@ -49,7 +49,13 @@ class BackwardProcess:
         self._start()
 
     def _start(self) -> None:
-        # Fresh queues: a process killed mid-put can leave a queue's lock held.
+        # Fresh queues: a process killed mid-put can leave a queue's lock held. The old ones
+        # are abandoned without joining their feeder threads, which may block forever on a pipe
+        # nobody reads.
+        for old in (getattr(self, "_jobs", None), getattr(self, "_results", None)):
+            if old is not None:
+                old.cancel_join_thread()
+                old.close()
         self._jobs = self._ctx.Queue()
         self._results = self._ctx.Queue()
         self.ready = False

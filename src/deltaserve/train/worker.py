@@ -23,6 +23,7 @@ from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.buffer import ActivationBuffer
+from deltaserve.train.grant import Grant
 from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, Stop, WorkerReady
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw, export_state
 from deltaserve.train.recompute import layerwise_backward
@@ -72,7 +73,7 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
                         time.perf_counter() - t0, stats.paused_s)
 
 
-def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, grant: Any,
+def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, grant: Grant,
                 layers_done: Any, parked: Any) -> None:
     """``parked`` is 1 whenever the process computes nothing (between jobs, or waiting on the
     grant), so a host that clears the grant can wait until its cores are really free."""
@@ -82,19 +83,22 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, 
                                shared.adapter_flat.detach().clone()).make_trainable_()
     opt = build_adamw(trainable.flat, spec.optimizer, shared.optimizer)
 
+    parent = mp.parent_process()
+
     def wait_grant(layer: int) -> float:
         if grant.is_set():
             return 0.0
         t = time.perf_counter()
         parked.value = 1
-        grant.wait()
+        while not grant.wait(timeout_s=1.0):
+            if parent is not None and not parent.is_alive():
+                raise SystemExit(0)  # orphaned while paused: nobody will set the grant
         parked.value = 0
         return time.perf_counter() - t
 
     def on_layer(layer: int) -> None:
         layers_done.value += 1
 
-    parent = mp.parent_process()
     results.put(WorkerReady(os.getpid()))
     while True:
         try:

@@ -1,0 +1,57 @@
+"""The grant flag between host and backward process."""
+
+import os
+import signal
+import threading
+import time
+
+import torch.multiprocessing as mp
+
+from deltaserve.train.grant import Grant
+
+
+def _wait_then_report(grant, woke):
+    grant.wait()
+    woke.value = 1
+
+
+def test_waiter_in_another_process_resumes_on_set():
+    ctx = mp.get_context("spawn")
+    grant = Grant(ctx)
+    grant.clear()
+    woke = ctx.Value("b", 0, lock=False)
+    proc = ctx.Process(target=_wait_then_report, args=(grant, woke), daemon=True)
+    proc.start()
+    time.sleep(1.0)
+    assert woke.value == 0 and proc.is_alive()  # cleared: it waits
+    grant.set()
+    proc.join(10)
+    assert woke.value == 1 and proc.exitcode == 0
+
+
+def test_set_returns_after_a_waiter_was_killed():
+    # multiprocessing.Event.set() blocks forever here: it waits for the dead waiter to
+    # acknowledge its wake-up. A backward killed while paused must not hang the host.
+    ctx = mp.get_context("spawn")
+    grant = Grant(ctx)
+    grant.clear()
+    woke = ctx.Value("b", 0, lock=False)
+    proc = ctx.Process(target=_wait_then_report, args=(grant, woke), daemon=True)
+    proc.start()
+    time.sleep(1.0)  # the child is inside wait()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(5)
+    returned = threading.Event()
+    threading.Thread(target=lambda: (grant.set(), grant.clear(), grant.set(), returned.set()),
+                     daemon=True).start()
+    assert returned.wait(5), "set() hung after its waiter died"
+    assert grant.is_set() and woke.value == 0
+
+
+def test_wait_times_out_while_cleared():
+    grant = Grant(mp.get_context("spawn"))
+    assert grant.wait(timeout_s=0.0)
+    grant.clear()
+    t = time.monotonic()
+    assert not grant.wait(timeout_s=0.05)
+    assert time.monotonic() - t >= 0.05

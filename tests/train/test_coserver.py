@@ -218,3 +218,23 @@ def test_resume_continues_without_repeating_or_skipping(base_path, tmp_path):
     assert len(ids) == len(set(ids)) == 30  # every sample once, none repeated
     assert [s["step"] for s in steps] == list(range(len(steps)))
     assert steps[: len(first)] == first
+
+
+def test_close_with_a_hung_backward_times_out_yet_checkpoints_and_stops(base_path, tmp_path):
+    samples = fx.samples(10)
+    root = tmp_path / "ck"
+    co = make(base_path, samples, root=root, batch_tokens=10_000)
+    model = fx.model(base_path)
+    try:
+        while training_only_step(co, model) is not None:
+            pass
+        os.kill(co.backward.process.pid, signal.SIGSTOP)  # hung: alive, never answers
+        with pytest.raises(TimeoutError, match="did not finish step 0"):
+            co.close(timeout_s=2.0)
+        assert not co.backward.process.is_alive()
+        latest = find_latest(root)
+        assert latest is not None and latest.name == "checkpoint-000000"
+        state = json.loads((latest / "trainer_state.json").read_text())
+        assert state["pool"]["committed"] == []  # nothing it had not trained counts as trained
+    finally:
+        co.backward.stop()

@@ -335,11 +335,19 @@ class CoServer:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def drain(self, timeout_s: float = 600.0) -> None:
-        """Train every captured sample now (a partial last batch included) and wait."""
+        """Train every captured sample now (a partial last batch included) and wait. Raises
+        ``TimeoutError`` if the backward has not finished in ``timeout_s`` (a hung process);
+        what it had not committed stays uncommitted, to be trained again after a resume."""
         self.backward.grant.set()  # nothing else runs: the backward has the machine
+        deadline = time.monotonic() + timeout_s
         while self.has_pending_training:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                step = self.backward.in_flight.step if self.backward.in_flight else None
+                raise TimeoutError(f"drain: the backward did not finish step {step} in "
+                                   f"{timeout_s:.0f} s")
             self._maybe_launch(force=True)
-            for ev in self.backward.wait(timeout_s):
+            for ev in self.backward.wait(left_s):
                 self._dispatch(ev)
 
     def _dispatch(self, ev) -> None:
@@ -352,19 +360,25 @@ class CoServer:
             self._counts["worker_restarts"] += 1
             self._release_job(ev.job)
 
-    def close(self, *, drain: bool = True, checkpoint: bool = True) -> None:
-        """Stop training cleanly: finish (or return) captured samples, checkpoint, stop."""
-        if drain:
-            self.drain()
-        else:
-            self.backward.grant.set()
-            for ev in self.backward.wait():
-                self._dispatch(ev)
-            self._release([s.sample_id for s in self._ready])
-            self._ready.clear()
-        if checkpoint:
-            self.save_checkpoint()
-        self.backward.stop()
+    def close(self, *, drain: bool = True, checkpoint: bool = True,
+              timeout_s: float = 600.0) -> None:
+        """Stop training cleanly: finish (or return) captured samples, stop, checkpoint. The
+        process is stopped and the checkpoint (of the last committed step) written even when
+        draining fails; the failure is raised after."""
+        try:
+            if drain:
+                self.drain(timeout_s)
+            else:
+                self.backward.grant.set()
+                for ev in self.backward.wait(timeout_s):
+                    self._dispatch(ev)
+                self._release([s.sample_id for s in self._ready])
+                self._ready.clear()
+        finally:
+            # first: a process still running could publish mid-save
+            self.backward.stop(timeout_s=min(30.0, timeout_s))
+            if checkpoint:
+                self.save_checkpoint()
 
     def stats(self) -> CoServeStats:
         p = self.pool.progress()

@@ -92,8 +92,14 @@ class StandaloneTrainer:
 
     def start(self, timeout_s: float = 300.0) -> None:
         self._proc.start()
-        if not self._ready.wait(timeout_s):
-            raise RuntimeError("the standalone trainer did not start")
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.5):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the standalone trainer exited during start-up "
+                                   f"(exit code {self._proc.exitcode})")
+            if time.monotonic() >= deadline:
+                self._proc.kill()
+                raise RuntimeError(f"the standalone trainer did not start in {timeout_s:.0f} s")
 
     def collect(self) -> list[TrainerStep]:
         while True:
@@ -104,7 +110,11 @@ class StandaloneTrainer:
 
     def stop(self) -> list[TrainerStep]:
         self._stop.set()
-        self._proc.join(120)
+        # read the queue while waiting: a child whose queue pipe is full cannot exit
+        deadline = time.monotonic() + 120
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            self.collect()
+            self._proc.join(0.1)
         if self._proc.is_alive():
             self._proc.kill()
         return self.collect()

@@ -1,0 +1,66 @@
+"""The split-pool baseline's standalone trainer."""
+
+import itertools
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from deltaserve.bench.split_pool import StandaloneTrainer, _batches
+from deltaserve.core.data import IGNORE_INDEX
+from deltaserve.model.lora import LoRAConfig
+from deltaserve.train.optim import OptimizerConfig
+from tests.tiny import hf_tiny_llama
+from tests.train import fixtures as fx
+
+
+def test_batches_take_whole_samples_until_the_budget_and_cycle():
+    samples = fx.samples(10)
+    gen = _batches(samples, 64)
+    seen = []
+    while len(seen) < 2 * len(samples):
+        batch = next(gen)
+        tokens = [s.num_tokens for s in batch]
+        # each batch reaches the budget with its last sample, or ends the pass over the data
+        assert sum(tokens[:-1]) < 64
+        assert sum(tokens) >= 64 or batch[-1] is samples[-1]
+        seen += [s.sample_id for s in batch]
+    assert seen[:20] == list(range(10)) * 2  # in order, then again: an endless trainer
+
+
+def _loss(model, batch):
+    n = max(s.num_tokens for s in batch)
+    rows = [(s, n - s.num_tokens) for s in batch]
+    with torch.no_grad():
+        return float(model(
+            input_ids=torch.tensor([list(s.input_ids) + [0] * p for s, p in rows]),
+            attention_mask=torch.tensor([[1] * s.num_tokens + [0] * p for s, p in rows]),
+            labels=torch.tensor([list(s.labels) + [IGNORE_INDEX] * p for s, p in rows])).loss)
+
+
+def test_trainer_reports_each_step_and_starts_from_the_base_model(tmp_path):
+    hf_tiny_llama(seed=3).save_pretrained(tmp_path)
+    samples = fx.samples(12)
+    trainer = StandaloneTrainer(str(tmp_path), samples, LoRAConfig(r=4, alpha=8, dropout=0.0),
+                                OptimizerConfig(lr=1e-2), batch_tokens=64, threads=1)
+    trainer.start()
+    deadline = time.monotonic() + 60
+    while len(trainer.collect()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    steps = trainer.stop()
+    assert len(steps) >= 3 and not trainer._proc.is_alive()
+    want = list(itertools.islice(_batches(samples, 64), len(steps)))
+    assert [s.num_tokens for s in steps] == [sum(x.num_tokens for x in b) for b in want]
+    assert [s.num_samples for s in steps] == [len(b) for b in want]
+    assert all(a.at_s <= b.at_s for a, b in itertools.pairwise(steps))
+    # LoRA B starts at zero: the first step's loss is the base model's
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert steps[0].loss == pytest.approx(_loss(base, want[0]), rel=1e-5)
+
+
+def test_trainer_that_cannot_start_is_an_error(tmp_path):
+    trainer = StandaloneTrainer(str(tmp_path / "missing"), fx.samples(2), LoRAConfig(r=4),
+                                OptimizerConfig(), batch_tokens=64, threads=1)
+    with pytest.raises(RuntimeError, match="exited during start-up"):
+        trainer.start(timeout_s=120)

@@ -40,6 +40,12 @@ def run_until(co, model, steps, timeout_s=120):
     assert co.optimizer_steps >= steps
 
 
+def capture_all(co, model):
+    """Forward the whole pool in training-only steps (the backward is not waited for)."""
+    while training_only_step(co, model) is not None:
+        pass
+
+
 def log_steps(root):
     lines = (root / "train_log.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines if "sample_ids" in json.loads(x)]
@@ -117,8 +123,7 @@ def test_grant_pauses_backward_within_one_layer(tmp_path):
     co = make(deep, fx.samples(8), batch_tokens=10_000)
     model = fx.model(deep)
     try:
-        while training_only_step(co, model) is not None:
-            pass
+        capture_all(co, model)
         co.backward.grant.clear()  # inference holds the grant
         co.poll()  # pool is empty: the captured samples are flushed into a job
         assert co.backward.busy
@@ -148,8 +153,7 @@ def test_killed_backward_loses_no_sample(base_path):
     assert co.backward.ready  # the co-server waits for the process before serving
     model = fx.model(base_path)
     try:
-        while training_only_step(co, model) is not None:
-            pass
+        capture_all(co, model)
         co.backward.grant.clear()
         co.poll()
         assert co.backward.busy
@@ -163,8 +167,7 @@ def test_killed_backward_loses_no_sample(base_path):
         assert len(co.pool) == 10 and co.backward.process.pid != lost_pid
         co.backward.wait_ready()  # the restarted process reports in like the first
         co.backward.grant.set()
-        while training_only_step(co, model) is not None:
-            pass
+        capture_all(co, model)
         co.drain()
         assert co.stats().ft_samples_committed == 10 and co.pool.progress().finished
     finally:
@@ -226,8 +229,7 @@ def test_close_with_a_hung_backward_times_out_yet_checkpoints_and_stops(base_pat
     co = make(base_path, samples, root=root, batch_tokens=10_000)
     model = fx.model(base_path)
     try:
-        while training_only_step(co, model) is not None:
-            pass
+        capture_all(co, model)
         os.kill(co.backward.process.pid, signal.SIGSTOP)  # hung: alive, never answers
         with pytest.raises(TimeoutError, match="did not finish step 0"):
             co.close(timeout_s=2.0)

@@ -15,14 +15,20 @@ def _wait_then_report(grant, woke):
     woke.value = 1
 
 
-def test_waiter_in_another_process_resumes_on_set():
+def _start_waiter():
+    """A process waiting on a cleared grant; ``woke`` turns 1 once its wait returns."""
     ctx = mp.get_context("spawn")
     grant = Grant(ctx)
     grant.clear()
     woke = ctx.Value("b", 0, lock=False)
     proc = ctx.Process(target=_wait_then_report, args=(grant, woke), daemon=True)
     proc.start()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the child is inside wait()
+    return grant, woke, proc
+
+
+def test_waiter_in_another_process_resumes_on_set():
+    grant, woke, proc = _start_waiter()
     assert woke.value == 0 and proc.is_alive()  # cleared: it waits
     grant.set()
     proc.join(10)
@@ -32,13 +38,7 @@ def test_waiter_in_another_process_resumes_on_set():
 def test_set_returns_after_a_waiter_was_killed():
     # multiprocessing.Event.set() blocks forever here: it waits for the dead waiter to
     # acknowledge its wake-up. A backward killed while paused must not hang the host.
-    ctx = mp.get_context("spawn")
-    grant = Grant(ctx)
-    grant.clear()
-    woke = ctx.Value("b", 0, lock=False)
-    proc = ctx.Process(target=_wait_then_report, args=(grant, woke), daemon=True)
-    proc.start()
-    time.sleep(1.0)  # the child is inside wait()
+    grant, woke, proc = _start_waiter()
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(5)
     returned = threading.Event()

@@ -76,7 +76,7 @@ def _training_rows(model_config, lora: LoRAConfig, ft_lens, rng: random.Random,
                                                        tuple(segments)), capture)
 
 
-def _time_probe(engine, probe, lora: LoRAConfig, rng: random.Random, adapter: AdapterWeights,
+def time_probe(engine, probe, lora: LoRAConfig, rng: random.Random, adapter: AdapterWeights,
                 scratch: torch.Tensor) -> tuple[StepShape, float]:
     """The shape a probe ran as (its mode is what the step reported) and the median seconds of
     its repeats after one warm-up run: one slow run (another process on the core) is not the
@@ -122,7 +122,7 @@ def calibrate(engine, lora: LoRAConfig, config: CalibrationConfig | None = None,
         for use_graphs in ((True, False) if both else (graphs is not None,)):
             engine.runner.graphs = graphs if use_graphs else None
             try:
-                shape, seconds = _time_probe(engine, probe, lora, rng, adapter, scratch)
+                shape, seconds = time_probe(engine, probe, lora, rng, adapter, scratch)
             finally:
                 engine.runner.graphs = graphs
             model.add_calibration(shape, seconds)

@@ -11,8 +11,9 @@ from deltaserve.core.latency_model import fit_from
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model import LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
+from deltaserve.train.capture import training_only_step
 from deltaserve.train.checkpoint import CheckpointConfig
-from deltaserve.train.coserver import CoServeConfig
+from deltaserve.train.coserver import CoServeConfig, CoServer
 from deltaserve.train.optim import OptimizerConfig
 
 LIMITS = HostLimits(max_tokens_per_step=512, max_seqs_per_step=32, max_model_len=256,
@@ -47,3 +48,15 @@ def config(root=None, every=1, dropout=0.0, batch_tokens=64, **kw) -> CoServeCon
         optimizer=OptimizerConfig(lr=1e-2),
         checkpoint=CheckpointConfig(root=str(root) if root else None, every_steps=every),
         backward_batch_tokens=batch_tokens, **kw)
+
+
+def coserver(base_path, samples, **kw) -> CoServer:
+    """A co-server (its backward process started) over the model saved at ``base_path``."""
+    return CoServer(config(**kw), LIMITS, model(base_path), samples,
+                    base_model=str(base_path), latency_model=latency_model())
+
+
+def capture_all(co, model) -> None:
+    """Forward the whole pool in training-only steps (the backward is not waited for)."""
+    while training_only_step(co, model) is not None:
+        pass

@@ -15,21 +15,8 @@ from deltaserve.core.data import IGNORE_INDEX
 from deltaserve.model.peft_io import load_adapter
 from deltaserve.train.capture import training_only_step
 from deltaserve.train.checkpoint import find_latest
-from deltaserve.train.coserver import CoServer
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
-
-
-@pytest.fixture(scope="module")
-def base_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    hf_tiny_llama(seed=7).save_pretrained(path)
-    return path
-
-
-def make(base_path, samples, **kw):
-    return CoServer(fx.config(**kw), fx.LIMITS, fx.model(base_path), samples,
-                    base_model=str(base_path), latency_model=fx.latency_model())
 
 
 def run_until(co, model, steps, timeout_s=120):
@@ -38,12 +25,6 @@ def run_until(co, model, steps, timeout_s=120):
         if training_only_step(co, model) is None:
             co.idle(timeout_s=0.05)
     assert co.optimizer_steps >= steps
-
-
-def capture_all(co, model):
-    """Forward the whole pool in training-only steps (the backward is not waited for)."""
-    while training_only_step(co, model) is not None:
-        pass
 
 
 def log_steps(root):
@@ -82,7 +63,7 @@ def peft_reference(base_path, samples, batches, init_state, cfg):
 
 def test_backward_process_equals_peft_and_checkpoint_loads_in_peft(base_path, tmp_path):
     samples = fx.samples(24)
-    co = make(base_path, samples, root=tmp_path / "ck", every=2)
+    co = fx.coserver(base_path, samples, root=tmp_path / "ck", every=2)
     model = fx.model(base_path)
     init = co.adapter.to_peft_state_dict()
     try:
@@ -120,10 +101,10 @@ def test_backward_process_equals_peft_and_checkpoint_loads_in_peft(base_path, tm
 def test_grant_pauses_backward_within_one_layer(tmp_path):
     deep = tmp_path / "deep"
     hf_tiny_llama(seed=7, num_hidden_layers=24).save_pretrained(deep)
-    co = make(deep, fx.samples(8), batch_tokens=10_000)
+    co = fx.coserver(deep, fx.samples(8), batch_tokens=10_000)
     model = fx.model(deep)
     try:
-        capture_all(co, model)
+        fx.capture_all(co, model)
         co.backward.grant.clear()  # inference holds the grant
         co.poll()  # pool is empty: the captured samples are flushed into a job
         assert co.backward.busy
@@ -149,11 +130,11 @@ def test_grant_pauses_backward_within_one_layer(tmp_path):
 
 def test_killed_backward_loses_no_sample(base_path):
     samples = fx.samples(10)
-    co = make(base_path, samples, batch_tokens=10_000)
+    co = fx.coserver(base_path, samples, batch_tokens=10_000)
     assert co.backward.ready  # the co-server waits for the process before serving
     model = fx.model(base_path)
     try:
-        capture_all(co, model)
+        fx.capture_all(co, model)
         co.backward.grant.clear()
         co.poll()
         assert co.backward.busy
@@ -167,7 +148,7 @@ def test_killed_backward_loses_no_sample(base_path):
         assert len(co.pool) == 10 and co.backward.process.pid != lost_pid
         co.backward.wait_ready()  # the restarted process reports in like the first
         co.backward.grant.set()
-        capture_all(co, model)
+        fx.capture_all(co, model)
         co.drain()
         assert co.stats().ft_samples_committed == 10 and co.pool.progress().finished
     finally:
@@ -178,7 +159,7 @@ def test_backward_that_cannot_start_is_an_error(base_path):
     from deltaserve.train.backward_process import BackwardProcess
     from deltaserve.train.worker import WorkerSpec
 
-    co = make(base_path, fx.samples(2))
+    co = fx.coserver(base_path, fx.samples(2))
     try:
         broken = BackwardProcess(WorkerSpec(co.config.lora, co.config.optimizer, num_threads=0),
                                  co.backward.shared)  # torch.set_num_threads(0) raises
@@ -191,7 +172,7 @@ def test_backward_that_cannot_start_is_an_error(base_path):
 def test_resume_continues_without_repeating_or_skipping(base_path, tmp_path):
     samples = fx.samples(30)
     root = tmp_path / "ck"
-    co = make(base_path, samples, root=root, every=1)
+    co = fx.coserver(base_path, samples, root=root, every=1)
     model = fx.model(base_path)
     try:
         run_until(co, model, 3)
@@ -204,7 +185,7 @@ def test_resume_continues_without_repeating_or_skipping(base_path, tmp_path):
     assert ck_step == co.optimizer_steps
     adapter_at_ck = load_adapter(find_latest(root), co.model.config).flat.clone()
 
-    co2 = make(base_path, samples, root=root, every=1)
+    co2 = fx.coserver(base_path, samples, root=root, every=1)
     try:
         assert co2.resumed_from is not None and co2.optimizer_steps == ck_step
         assert torch.equal(co2.adapter.flat, adapter_at_ck)
@@ -226,10 +207,10 @@ def test_resume_continues_without_repeating_or_skipping(base_path, tmp_path):
 def test_close_with_a_hung_backward_times_out_yet_checkpoints_and_stops(base_path, tmp_path):
     samples = fx.samples(10)
     root = tmp_path / "ck"
-    co = make(base_path, samples, root=root, batch_tokens=10_000)
+    co = fx.coserver(base_path, samples, root=root, batch_tokens=10_000)
     model = fx.model(base_path)
     try:
-        capture_all(co, model)
+        fx.capture_all(co, model)
         os.kill(co.backward.process.pid, signal.SIGSTOP)  # hung: alive, never answers
         with pytest.raises(TimeoutError, match="did not finish step 0"):
             co.close(timeout_s=2.0)

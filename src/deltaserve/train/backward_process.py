@@ -21,15 +21,18 @@ from deltaserve.train.messages import (
     Stop,
     WorkerReady,
 )
+from deltaserve.train.publish import roll_back
 from deltaserve.train.worker import SharedState, WorkerSpec, worker_main
 
 
 @dataclass(frozen=True)
 class WorkerLost:
-    """The process died with ``job`` in flight."""
+    """The process died with ``job`` in flight. ``rolled_back``: it had begun publishing the
+    job's step, and the shared state was restored to the last committed step."""
 
     job: BackwardJob
     exitcode: int | None
+    rolled_back: bool = False
 
 
 BackwardEvent = BackwardDone | BackwardFailed | WorkerLost
@@ -92,7 +95,9 @@ class BackwardProcess:
                 self.in_flight = None
             events.append(msg)
         if self.in_flight is not None and not self.process.is_alive():
-            lost = WorkerLost(self.in_flight, self.process.exitcode)
+            sh = self.shared
+            rolled_back = roll_back(self.in_flight.step, sh.adapter_flat, sh.optimizer, sh.guard)
+            lost = WorkerLost(self.in_flight, self.process.exitcode, rolled_back)
             self.in_flight = None
             self.restarts += 1
             self.parked.value = 1

@@ -52,6 +52,7 @@ from deltaserve.train.checkpoint import (
 from deltaserve.train.coserve_config import Commit, CoServeConfig, CoServeStats
 from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, JobSample
 from deltaserve.train.optim import OptimizerState
+from deltaserve.train.publish import PublishGuard
 from deltaserve.train.worker import SharedState, WorkerSpec
 
 
@@ -110,7 +111,8 @@ class CoServer:
         self.backward = BackwardProcess(
             WorkerSpec(config.lora, config.optimizer, config.backward_threads),
             SharedState(model.config, model.weights, self.adapter.flat, self.optimizer_state,
-                        self.buffer))
+                        self.buffer,
+                        PublishGuard(self.adapter.flat, self.adapter.numel).share_memory_()))
         self.backward.wait_ready()
 
         self._plan: AdmissionPlan | None = None
@@ -212,8 +214,10 @@ class CoServer:
                 self._release_job(self._lost_job)
             elif isinstance(ev, WorkerLost):
                 self._counts["worker_restarts"] += 1
+                rolled = "; the half-published step was rolled back" if ev.rolled_back else ""
                 self.log.write({"step": ev.job.step, "error": f"backward process died "
-                                f"(exit code {ev.exitcode}); its samples return to the pool"})
+                                f"(exit code {ev.exitcode}); its samples return to the "
+                                f"pool{rolled}"})
                 self._release_job(ev.job)
         self._maybe_launch()
 

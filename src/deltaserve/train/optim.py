@@ -76,6 +76,12 @@ class OptimizerState:
         return {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
                 "step": self.step.clone()}
 
+    def copy_(self, other: OptimizerState) -> OptimizerState:
+        self.exp_avg.copy_(other.exp_avg)
+        self.exp_avg_sq.copy_(other.exp_avg_sq)
+        self.step.copy_(other.step)
+        return self
+
     def load_state_dict_(self, state: dict[str, torch.Tensor]) -> OptimizerState:
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])

@@ -25,7 +25,8 @@ from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.buffer import ActivationBuffer
 from deltaserve.train.grant import Grant
 from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, Stop, WorkerReady
-from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw, export_state
+from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw
+from deltaserve.train.publish import PublishGuard, publish, roll_back
 from deltaserve.train.recompute import layerwise_backward
 
 
@@ -45,6 +46,7 @@ class SharedState:
     adapter_flat: torch.Tensor
     optimizer: OptimizerState
     buffer: ActivationBuffer
+    guard: PublishGuard
 
 
 def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optimizer,
@@ -65,9 +67,7 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
         group["lr"] = lr
     opt.step()
     opt.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        shared.adapter_flat.copy_(trainable.flat)
-    export_state(opt, trainable.flat, shared.optimizer)
+    publish(job.step, trainable.flat, opt, shared.adapter_flat, shared.optimizer, shared.guard)
     return BackwardDone(job.step, tuple(s.sample_id for s in job.samples), job.num_tokens,
                         stats.num_loss_tokens, stats.loss, grad_norm, lr,
                         time.perf_counter() - t0, stats.paused_s)
@@ -116,7 +116,11 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, 
             results.put(done)
         except Exception:
             parked.value = 1
-            opt.zero_grad(set_to_none=True)
-            with torch.no_grad():  # the published state is the truth; drop a half-made step
+            # the committed state is the truth: undo a half-done publish, drop the half-made
+            # step from the private copies (the optimizer's moments included)
+            roll_back(msg.step, shared.adapter_flat, shared.optimizer, shared.guard)
+            with torch.no_grad():
                 trainable.flat.copy_(shared.adapter_flat)
+            trainable.flat.grad = None
+            opt = build_adamw(trainable.flat, spec.optimizer, shared.optimizer)
             results.put(BackwardFailed(msg.step, traceback.format_exc()))

@@ -57,9 +57,9 @@ def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAC
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
                             betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps)
-    ready.set()
+    ready.value = 1
     for batch in _batches(samples, batch_tokens):
-        if stop.is_set():
+        if stop.value:
             return
         n = max(s.num_tokens for s in batch)
         pad = [n - s.num_tokens for s in batch]
@@ -83,8 +83,9 @@ class StandaloneTrainer:
                  dtype: str = "float32"):
         ctx = mp.get_context("spawn")
         self._steps = ctx.Queue()
-        self._stop = ctx.Event()
-        self._ready = ctx.Event()
+        # bare shared bytes, not Events: a killed process cannot leave a lock held behind
+        self._stop = ctx.Value("b", 0, lock=False)
+        self._ready = ctx.Value("b", 0, lock=False)
         self._proc = ctx.Process(target=trainer_main, daemon=True, name="split-pool-trainer",
                                  args=(model_path, list(samples), lora, optimizer, batch_tokens,
                                        threads, dtype, self._steps, self._stop, self._ready))
@@ -93,7 +94,8 @@ class StandaloneTrainer:
     def start(self, timeout_s: float = 300.0) -> None:
         self._proc.start()
         deadline = time.monotonic() + timeout_s
-        while not self._ready.wait(0.5):
+        while not self._ready.value:
+            time.sleep(0.05)
             if not self._proc.is_alive():
                 raise RuntimeError(f"the standalone trainer exited during start-up "
                                    f"(exit code {self._proc.exitcode})")
@@ -109,7 +111,7 @@ class StandaloneTrainer:
                 return self.steps
 
     def stop(self) -> list[TrainerStep]:
-        self._stop.set()
+        self._stop.value = 1
         # read the queue while waiting: a child whose queue pipe is full cannot exit
         deadline = time.monotonic() + 120
         while self._proc.is_alive() and time.monotonic() < deadline:

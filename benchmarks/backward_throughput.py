@@ -24,7 +24,9 @@ from deltaserve.core.latency_model import fit_from
 from deltaserve.model import LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_tokenizer, load_weights, resolve_dtype, resolve_model
 from deltaserve.train.capture import training_only_step
-from deltaserve.train.coserver import CoServeConfig, CoServer
+from deltaserve.train.config import BackwardConfig, CoServeConfig
+from deltaserve.train.coserver import CoServer
+from deltaserve.train.events import OptimizerStep
 from deltaserve.train.optim import OptimizerConfig
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca" / \
@@ -89,20 +91,22 @@ def main() -> None:
     lm = fit_from([(p.shape, 1e-3 + 1e-5 * p.shape.num_tokens) for p in build_plan(limits)])
     pool_samples = samples[: 40 * args.batches]
     co = CoServer(CoServeConfig(SLOConfig(1.0, 1.0), lora=lora, optimizer=opt_cfg,
-                                backward_batch_tokens=args.batch_tokens,
-                                backward_threads=args.threads, buffer_save=args.save),
+                                backward=BackwardConfig(batch_tokens=args.batch_tokens,
+                                                        threads=args.threads,
+                                                        buffer_save=args.save)),
                   limits, model, pool_samples, base_model=str(path), latency_model=lm)
+    done: list[OptimizerStep] = []
+    co.subscribe(lambda ev: done.append(ev) if isinstance(ev, OptimizerStep) else None)
     fwd_times = []
     try:
-        while co.optimizer_steps < args.batches:
+        while len(done) < args.batches:
             t0 = time.perf_counter()
-            if training_only_step(co, model) is not None:
+            if training_only_step(co, model, co.adapter) is not None:
                 fwd_times.append(time.perf_counter() - t0)
             else:
                 co.idle(timeout_s=0.1)
     finally:
         co.close(drain=False, checkpoint=False)
-    done = [c.done for c in co.commits]
     batches = [d.sample_ids for d in done[: args.batches]]
     tokens = [d.num_tokens for d in done[: args.batches]]
     bwd = [d.wall_s for d in done[: args.batches]]

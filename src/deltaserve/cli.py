@@ -1,86 +1,81 @@
-"""``deltaserve``: the command line.
+"""``deltaserve``: the command line. Flags are generated from the config dataclasses
+(:mod:`deltaserve.cli_flags`), so a default is written once, in its config class.
 
     deltaserve bench [--trace burst-light] [--systems a,b] [--duration S] ...
-    deltaserve calibrate --out latency_model.json [--model smollm2]
-    deltaserve serve --host vllm MODEL --finetune-dataset PATH ...
+    deltaserve calibrate --out latency_model.json [--model smollm2] [--host native]
+    deltaserve serve --engine vllm MODEL --finetune-dataset PATH ...
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import os
 import sys
-import types
-import typing
+from pathlib import Path
 
+from deltaserve.bench.config import BenchConfig
+from deltaserve.cli_flags import add_dataclass_flags, from_args
 from deltaserve.core.errors import InputError
-
-_RENAMES = {"duration_s": "duration"}
-
-
-def _flag(name: str) -> str:
-    return "--" + _RENAMES.get(name, name).replace("_", "-")
+from deltaserve.hosts.config import HostConfig
+from deltaserve.hosts.registry import HOSTS, create_host
+from deltaserve.model.lora import LoRAConfig
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls) -> None:
-    """One flag per field of a frozen config dataclass, typed from its annotation."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        args = typing.get_args(kind)
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):
-            kind = next(a for a in args if a is not type(None))
-        if kind is bool:
-            if f.default:
-                parser.add_argument(_flag(f"no_{f.name}"), dest=f.name, action="store_false",
-                                    default=True, help=f"turn {f.name} off")
-            else:
-                parser.add_argument(_flag(f.name), dest=f.name, action="store_true",
-                                    default=False, help=f"turn {f.name} on")
-            continue
-        parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=f.default,
-                            help=f"default: {f.default}")
+def _writable(path: str, field: str) -> Path:
+    """Check an output path before any work is done (a model load, a calibration)."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise InputError(field, path, "is a directory; give a file path")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(field, path, f"cannot create its directory: {e.strerror}") from None
+    if not os.access(parent, os.W_OK):
+        raise InputError(field, path, f"{parent} is not writable")
+    return p
 
 
-def _from_args(cls, ns: argparse.Namespace):
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
-
-
-def main(argv: list[str] | None = None) -> int:
-    from deltaserve.bench.config import BenchConfig
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="replay a trace against every system; write a report")
     add_dataclass_flags(bench, BenchConfig)
-    cal = sub.add_parser("calibrate", help="fit the latency model of the embedded engine")
-    cal.add_argument("--model", default="smollm2")
+    cal = sub.add_parser("calibrate", help="fit a host's latency model; write it as JSON")
     cal.add_argument("--out", default="latency_model.json")
-    cal.add_argument("--max-num-batched-tokens", type=int, default=256)
-    cal.add_argument("--max-num-seqs", type=int, default=32)
-    serve = sub.add_parser("serve", help="serve an OpenAI-compatible API with co-serving on")
-    serve.add_argument("--host", choices=("vllm",), default="vllm")
+    cal.add_argument("--host", choices=tuple(HOSTS), default="native")
+    add_dataclass_flags(cal, HostConfig)
+    add_dataclass_flags(cal, LoRAConfig, prefix="lora-")
+    serve = sub.add_parser("serve", help="serve the OpenAI API with co-serving on")
+    serve.add_argument("--engine", choices=("vllm",), default="vllm")
     serve.add_argument("rest", nargs=argparse.REMAINDER,
                        help="MODEL --finetune-dataset PATH [co-serving and vLLM flags]")
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def _calibrate(ns: argparse.Namespace) -> None:
+    out = _writable(ns.out, "out")
+    host = create_host(ns.host, from_args(HostConfig, ns))
+    try:
+        lm = host.calibrate(from_args(LoRAConfig, ns), None, None, seed=ns.seed, progress=True)
+    finally:
+        host.close()
+    lm.save(out)
+    for q in lm.quality():
+        print(f"{q.equation.value}/{q.mode.value}: {q.num_points} probes, "
+              f"MAPE {q.mape:.1%}, R² {q.r2:.3f}")
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
     try:
         if ns.command == "bench":
             from deltaserve.bench.run import run_bench
 
-            run_bench(_from_args(BenchConfig, ns))
+            run_bench(from_args(BenchConfig, ns))
         elif ns.command == "calibrate":
-            from deltaserve.hosts.native import EngineConfig, LLMEngine
-            from deltaserve.hosts.native.calibrate import calibrate
-            from deltaserve.model.lora import LoRAConfig
-
-            engine = LLMEngine(EngineConfig(model=ns.model, max_num_seqs=ns.max_num_seqs,
-                                            max_num_batched_tokens=ns.max_num_batched_tokens))
-            lm = calibrate(engine, LoRAConfig())
-            lm.save(ns.out)
-            for q in lm.quality():
-                print(f"{q.equation.value}/{q.mode.value}: {q.num_points} probes, "
-                      f"MAPE {q.mape:.1%}, R² {q.r2:.3f}")
-            print(f"wrote {ns.out}")
+            _calibrate(ns)
         elif ns.command == "serve":
             from deltaserve.hosts.vllm.serve import main as serve_main
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from deltaserve.bench.replay import PromptSource, replay
-from deltaserve.hosts.native.request import RequestOutput
+from deltaserve.core.requests import RequestOutput
 from deltaserve.workloads.trace import from_arrivals
 
 
@@ -20,8 +20,7 @@ class FakeHost:
     limits = None
 
     def __init__(self):
-        self.record_steps = False
-        self.step_log = []
+        self.listeners = []
         self.sent: list[tuple[float, list[int]]] = []
         self._threads = []
 
@@ -41,6 +40,12 @@ class FakeHost:
         th.start()
         self._threads.append(th)
         return "r"
+
+    def subscribe_steps(self, listener):
+        self.listeners.append(listener)
+
+    def unsubscribe_steps(self, listener):
+        self.listeners.remove(listener)
 
     def run_loop(self, stop, idle_wait_s=0.005):
         stop.wait()

@@ -1,10 +1,17 @@
+import argparse
+from dataclasses import replace
+
 import pytest
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.bench.systems import SYSTEMS, parse_systems
 from deltaserve.cli import main
+from deltaserve.cli_flags import add_dataclass_flags, from_args
 from deltaserve.core import AdmissionMode, InputError
+from deltaserve.hosts.config import HostConfig
+from deltaserve.model.lora import LoRAConfig
+from deltaserve.train.config import BackwardConfig, GrantPolicy
 
 
 def test_parse_systems():
@@ -27,7 +34,11 @@ def test_bench_config_validation():
         BenchConfig(ttft_slo_ms=0)
     assert e.value.field == "ttft_slo_ms"
     with pytest.raises(InputError):
-        BenchConfig(max_prompt_tokens=1000, max_output_tokens=100, max_model_len=1024)
+        BenchConfig(max_prompt_tokens=1000, max_output_tokens=100,
+                    engine=HostConfig(max_model_len=1024))
+    with pytest.raises(InputError) as e:
+        BenchConfig(host="tgi")
+    assert e.value.field == "host"
 
 
 def test_cli_reports_bad_input_as_an_error(capsys):
@@ -37,13 +48,29 @@ def test_cli_reports_bad_input_as_an_error(capsys):
 
 
 def test_bool_flags_follow_their_default():
-    import argparse
-
-    from deltaserve.cli import add_dataclass_flags
-
     p = argparse.ArgumentParser()
     add_dataclass_flags(p, BenchConfig)
-    ns = p.parse_args(["--skip-bad-rows", "--no-progress", "--duration", "30"])
-    assert ns.skip_bad_rows is True and ns.progress is False and ns.duration_s == 30.0
-    ns = p.parse_args([])
-    assert ns.skip_bad_rows is False and ns.progress is True and ns.duration_s is None
+    cfg = from_args(BenchConfig, p.parse_args(["--skip-bad-rows", "--no-progress",
+                                               "--duration", "30"]))
+    assert cfg.skip_bad_rows is True and cfg.progress is False and cfg.duration_s == 30.0
+    cfg = from_args(BenchConfig, p.parse_args([]))
+    assert cfg.skip_bad_rows is False and cfg.progress is True and cfg.duration_s is None
+
+
+def test_flags_are_generated_from_the_config_tree_with_its_defaults():
+    """Every default comes from the config classes: no flag restates one, and nested
+    configs (engine, LoRA, optimizer, backward) round-trip through their flags."""
+    p = argparse.ArgumentParser()
+    add_dataclass_flags(p, BenchConfig)
+    assert from_args(BenchConfig, p.parse_args([])) == BenchConfig()
+    cfg = from_args(BenchConfig, p.parse_args([
+        "--max-num-seqs", "4", "--lora-r", "8", "--lora-target-modules", "q_proj", "v_proj",
+        "--lr", "0.01", "--backward-batch-tokens", "128", "--backward-grant-policy",
+        "partition", "--no-backward-yield"]))
+    assert cfg.engine == replace(HostConfig(), max_num_seqs=4)
+    assert cfg.lora == LoRAConfig(r=8, target_modules=("q_proj", "v_proj"))
+    assert cfg.optimizer.lr == 0.01
+    assert cfg.backward == BackwardConfig(batch_tokens=128, grant_policy=GrantPolicy.PARTITION,
+                                          yield_to_backward=False)
+    with pytest.raises(SystemExit):  # an enum flag takes only its values
+        p.parse_args(["--backward-grant-policy", "sometimes"])

@@ -11,9 +11,12 @@ from deltaserve.core.latency_model import fit_from
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model import LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
+from deltaserve.train.backward_process import BackwardProcess
 from deltaserve.train.capture import training_only_step
 from deltaserve.train.checkpoint import CheckpointConfig
-from deltaserve.train.coserver import CoServeConfig, CoServer
+from deltaserve.train.config import BackwardConfig, CoServeConfig
+from deltaserve.train.coserver import CoServer
+from deltaserve.train.events import OptimizerStep, TrainingEvent
 from deltaserve.train.optim import OptimizerConfig
 
 LIMITS = HostLimits(max_tokens_per_step=512, max_seqs_per_step=32, max_model_len=256,
@@ -41,13 +44,14 @@ def model(path) -> LlamaModel:
     return LlamaModel(*load_weights(path))
 
 
-def config(root=None, every=1, dropout=0.0, batch_tokens=64, **kw) -> CoServeConfig:
+def config(root=None, every=1, dropout=0.0, batch_tokens=64, buffer_tokens=None,
+           **kw) -> CoServeConfig:
     return CoServeConfig(
         slo=SLOConfig(1.0, 0.5),
         lora=LoRAConfig(r=4, alpha=8, dropout=dropout),
         optimizer=OptimizerConfig(lr=1e-2),
         checkpoint=CheckpointConfig(root=str(root) if root else None, every_steps=every),
-        backward_batch_tokens=batch_tokens, **kw)
+        backward=BackwardConfig(batch_tokens=batch_tokens, buffer_tokens=buffer_tokens), **kw)
 
 
 def coserver(base_path, samples, **kw) -> CoServer:
@@ -58,5 +62,26 @@ def coserver(base_path, samples, **kw) -> CoServer:
 
 def capture_all(co, model) -> None:
     """Forward the whole pool in training-only steps (the backward is not waited for)."""
-    while training_only_step(co, model) is not None:
+    while training_only_step(co, model, co.adapter) is not None:
         pass
+
+
+def process(co: CoServer) -> BackwardProcess:
+    """The co-server's backward process (fault tests kill and pause it)."""
+    return co.trainer.backward.process
+
+
+class Recorder:
+    """Subscribes to a co-server's events; the committed optimizer steps, in order."""
+
+    def __init__(self, co: CoServer):
+        self.events: list[TrainingEvent] = []
+        co.subscribe(self.events.append)
+
+    @property
+    def steps(self) -> list[OptimizerStep]:
+        return [e for e in self.events if isinstance(e, OptimizerStep)]
+
+    @property
+    def committed_ids(self) -> list[int]:
+        return [i for e in self.steps for i in e.sample_ids]

@@ -13,18 +13,25 @@ from transformers import AutoModelForCausalLM
 
 from deltaserve.core.data import IGNORE_INDEX
 from deltaserve.model.peft_io import load_adapter
+from deltaserve.train.backward_process import BackwardProcess
 from deltaserve.train.capture import training_only_step
 from deltaserve.train.checkpoint import find_latest
+from deltaserve.train.messages import BackwardDone, LayerDone
+from deltaserve.train.worker import WorkerSpec
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
 
 
 def run_until(co, model, steps, timeout_s=120):
     deadline = time.monotonic() + timeout_s
-    while co.optimizer_steps < steps and time.monotonic() < deadline:
-        if training_only_step(co, model) is None:
+    while co.trainer.optimizer_steps < steps and time.monotonic() < deadline:
+        if training_only_step(co, model, co.adapter) is None:
             co.idle(timeout_s=0.05)
-    assert co.optimizer_steps >= steps
+    assert co.trainer.optimizer_steps >= steps
+
+
+def layers_done(events):
+    return [e for e in events if isinstance(e, LayerDone)]
 
 
 def log_steps(root):
@@ -68,9 +75,8 @@ def test_backward_process_equals_peft_and_checkpoint_loads_in_peft(base_path, tm
     init = co.adapter.to_peft_state_dict()
     try:
         run_until(co, model, 4)
-        co.close(drain=False)
     finally:
-        co.backward.stop()
+        co.close(drain=False)
     steps = log_steps(tmp_path / "ck")
     assert [s["step"] for s in steps] == list(range(len(steps)))
     batches = [s["sample_ids"] for s in steps]
@@ -99,74 +105,77 @@ def test_backward_process_equals_peft_and_checkpoint_loads_in_peft(base_path, tm
 
 
 def test_grant_pauses_backward_within_one_layer(tmp_path):
+    """The process's own reports (one per layer) show where it stands: nothing before the grant
+    is given, at most the layer in progress after it is taken back."""
     deep = tmp_path / "deep"
     hf_tiny_llama(seed=7, num_hidden_layers=24).save_pretrained(deep)
     co = fx.coserver(deep, fx.samples(8), batch_tokens=10_000)
     model = fx.model(deep)
+    proc = fx.process(co)
     try:
-        fx.capture_all(co, model)
-        co.backward.grant.clear()  # inference holds the grant
-        co.poll()  # pool is empty: the captured samples are flushed into a job
-        assert co.backward.busy
+        proc.grant.clear()  # inference holds the grant
+        fx.capture_all(co, model)  # the pool runs dry: the captured samples become a job
+        assert proc.busy
         time.sleep(1.5)
-        assert co.backward.layers_done.value == 0  # waited before its first layer
-        co.backward.grant.set()
-        while co.backward.layers_done.value == 0:
-            pass
-        co.backward.grant.clear()
-        seen = co.backward.layers_done.value
+        assert layers_done(proc.poll()) == []  # waited before its first layer
+        proc.grant.set()
+        seen = []
+        while not seen:
+            seen = layers_done(proc.poll(timeout_s=0.05))
+        proc.grant.clear()
         time.sleep(0.5)  # at most the layer in progress completes ...
-        held = co.backward.layers_done.value
-        assert held <= seen + 1 < model.num_layers
+        held = len(seen) + len(layers_done(proc.poll()))
+        assert held <= len(seen) + 1 < model.num_layers
         time.sleep(1.0)  # ... and then nothing runs
-        assert co.backward.layers_done.value == held and co.backward.busy
-        co.backward.grant.set()
-        co.drain()
-        assert co.stats().ft_samples_committed == 8
-        assert co.backward.layers_done.value == model.num_layers
+        assert layers_done(proc.poll()) == [] and proc.busy
+        proc.grant.set()
+        events = proc.wait(60)
+        assert held + len(layers_done(events)) == model.num_layers
+        assert [type(e) for e in events if not isinstance(e, LayerDone)] == [BackwardDone]
     finally:
-        co.backward.stop()
+        co.close(drain=False, checkpoint=False)
 
 
 def test_killed_backward_loses_no_sample(base_path):
     samples = fx.samples(10)
     co = fx.coserver(base_path, samples, batch_tokens=10_000)
-    assert co.backward.ready  # the co-server waits for the process before serving
+    rec = fx.Recorder(co)
+    proc = fx.process(co)
+    assert proc.ready  # the co-server waits for the process before serving
     model = fx.model(base_path)
     try:
         fx.capture_all(co, model)
-        co.backward.grant.clear()
-        co.poll()
-        assert co.backward.busy
+        proc.grant.clear()
+        co.poll()  # the pool is empty: the captured samples are flushed into a job
+        assert proc.busy
         time.sleep(1.0)  # the process has taken the job and sits paused on the grant
-        assert co.backward.parked.value == 1 and co.backward.layers_done.value == 0
-        lost_pid = co.backward.process.pid
+        assert proc.parked.value == 1 and layers_done(proc.poll()) == []
+        lost_pid = proc.process.pid
         os.kill(lost_pid, signal.SIGKILL)
-        co.backward.process.join(5)
+        proc.process.join(5)
         co.poll()  # notices the death: samples back in the pool, a new process started
-        assert co.stats().worker_restarts == 1 and not co.backward.busy
-        assert len(co.pool) == 10 and co.backward.process.pid != lost_pid
-        co.backward.wait_ready()  # the restarted process reports in like the first
-        co.backward.grant.set()
+        assert co.stats().worker_restarts == 1 and not proc.busy
+        assert [type(e).__name__ for e in rec.events] == ["StepLost"]
+        assert len(co.book.pool) == 10 and proc.process.pid != lost_pid
+        proc.wait_ready()  # the restarted process reports in like the first
+        proc.grant.set()
         fx.capture_all(co, model)
         co.drain()
-        assert co.stats().ft_samples_committed == 10 and co.pool.progress().finished
+        assert co.stats().ft_samples_committed == 10 and co.book.progress().finished
+        assert sorted(rec.committed_ids) == list(range(10))
     finally:
-        co.backward.stop()
+        co.close(drain=False, checkpoint=False)
 
 
 def test_backward_that_cannot_start_is_an_error(base_path):
-    from deltaserve.train.backward_process import BackwardProcess
-    from deltaserve.train.worker import WorkerSpec
-
     co = fx.coserver(base_path, fx.samples(2))
     try:
         broken = BackwardProcess(WorkerSpec(co.config.lora, co.config.optimizer, num_threads=0),
-                                 co.backward.shared)  # torch.set_num_threads(0) raises
+                                 fx.process(co).shared)  # torch.set_num_threads(0) raises
         with pytest.raises(RuntimeError, match="exited during start-up"):
             broken.wait_ready(timeout_s=60)
     finally:
-        co.backward.stop()
+        co.close(drain=False, checkpoint=False)
 
 
 def test_resume_continues_without_repeating_or_skipping(base_path, tmp_path):
@@ -176,27 +185,26 @@ def test_resume_continues_without_repeating_or_skipping(base_path, tmp_path):
     model = fx.model(base_path)
     try:
         run_until(co, model, 3)
-        # a crash: stop without draining; captured-but-untrained samples are lost with it
-        co.backward.stop()
     finally:
-        co.backward.stop()
+        # a crash: stop without draining; captured-but-untrained samples are lost with it
+        fx.process(co).process.kill()
+        fx.process(co).process.join(5)
     first = log_steps(root)
     ck_step = int(find_latest(root).name.split("-")[1])
-    assert ck_step == co.optimizer_steps
+    assert ck_step == co.trainer.optimizer_steps
     adapter_at_ck = load_adapter(find_latest(root), co.model.config).flat.clone()
 
     co2 = fx.coserver(base_path, samples, root=root, every=1)
     try:
-        assert co2.resumed_from is not None and co2.optimizer_steps == ck_step
+        assert co2.trainer.resumed_from is not None and co2.trainer.optimizer_steps == ck_step
         assert torch.equal(co2.adapter.flat, adapter_at_ck)
-        while not co2.pool.progress().finished:
-            if training_only_step(co2, model) is None:
+        while not co2.book.progress().finished:
+            if training_only_step(co2, model, co2.adapter) is None:
                 co2.idle(timeout_s=0.05)
-                if not co2.backward.busy:
+                if not co2.backward_busy:
                     co2.drain()
-        co2.close()
     finally:
-        co2.backward.stop()
+        co2.close()
     steps = [s for s in log_steps(root)]
     ids = [i for s in steps for i in s["sample_ids"]]
     assert len(ids) == len(set(ids)) == 30  # every sample once, none repeated
@@ -205,19 +213,27 @@ def test_resume_continues_without_repeating_or_skipping(base_path, tmp_path):
 
 
 def test_close_with_a_hung_backward_times_out_yet_checkpoints_and_stops(base_path, tmp_path):
+    """A backward that never answers: close raises after its deadline, stops the process, and
+    the checkpoint's trainer state, adapter and optimizer state all say the last committed step
+    (here: none), so a resume trains nothing twice."""
     samples = fx.samples(10)
     root = tmp_path / "ck"
     co = fx.coserver(base_path, samples, root=root, batch_tokens=10_000)
     model = fx.model(base_path)
+    init = co.adapter.flat.clone()
+    proc = fx.process(co)
     try:
         fx.capture_all(co, model)
-        os.kill(co.backward.process.pid, signal.SIGSTOP)  # hung: alive, never answers
+        os.kill(proc.process.pid, signal.SIGSTOP)  # hung: alive, never answers
         with pytest.raises(TimeoutError, match="did not finish step 0"):
             co.close(timeout_s=2.0)
-        assert not co.backward.process.is_alive()
+        assert not proc.process.is_alive()
         latest = find_latest(root)
         assert latest is not None and latest.name == "checkpoint-000000"
         state = json.loads((latest / "trainer_state.json").read_text())
-        assert state["pool"]["committed"] == []  # nothing it had not trained counts as trained
+        assert state["step"] == 0 and state["pool"]["committed"] == []
+        opt = torch.load(latest / "optimizer.pt", weights_only=True)
+        assert int(opt["step"]) == 0
+        assert torch.equal(load_adapter(latest, co.model.config).flat, init)
     finally:
-        co.backward.stop()
+        proc.stop()

@@ -11,6 +11,7 @@ from deltaserve.train.grant import Grant
 
 
 def _wait_then_report(grant, woke):
+    woke.value = 2  # started: about to wait
     grant.wait()
     woke.value = 1
 
@@ -23,15 +24,18 @@ def _start_waiter():
     woke = ctx.Value("b", 0, lock=False)
     proc = ctx.Process(target=_wait_then_report, args=(grant, woke), daemon=True)
     proc.start()
-    time.sleep(1.0)  # the child is inside wait()
+    deadline = time.monotonic() + 120  # a spawned interpreter's start-up, on a loaded machine
+    while woke.value != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the child is inside wait()
     return grant, woke, proc
 
 
 def test_waiter_in_another_process_resumes_on_set():
     grant, woke, proc = _start_waiter()
-    assert woke.value == 0 and proc.is_alive()  # cleared: it waits
+    assert woke.value == 2 and proc.is_alive()  # cleared: it waits
     grant.set()
-    proc.join(10)
+    proc.join(60)
     assert woke.value == 1 and proc.exitcode == 0
 
 
@@ -45,7 +49,7 @@ def test_set_returns_after_a_waiter_was_killed():
     threading.Thread(target=lambda: (grant.set(), grant.clear(), grant.set(), returned.set()),
                      daemon=True).start()
     assert returned.wait(5), "set() hung after its waiter died"
-    assert grant.is_set() and woke.value == 0
+    assert grant.is_set() and woke.value == 2  # it never woke
 
 
 def test_wait_times_out_while_cleared():

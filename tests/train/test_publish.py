@@ -5,6 +5,7 @@ import signal
 
 import torch
 
+from deltaserve.train.messages import LayerDone
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw, export_state
 from deltaserve.train.publish import PublishGuard, publish, roll_back
 from tests.train import fixtures as fx
@@ -71,24 +72,28 @@ def test_process_lost_before_its_report_arrived_leaves_the_committed_state(base_
     co = fx.coserver(base_path, fx.samples(10), batch_tokens=10_000)
     model = fx.model(base_path)
     init = co.adapter.flat.clone()
+    proc = fx.process(co)
     try:
         fx.capture_all(co, model)
-        co.backward.grant.set()
+        proc.grant.set()
         co.poll()  # submits the job
-        assert co.backward.busy
-        report = co.backward._results.get(timeout=60)  # taken before the parent sees it
-        assert report.step == 0 and int(co.backward.shared.guard.publishing_step) == 0
+        assert proc.busy
+        report = proc._results.get(timeout=60)  # taken before the parent sees it
+        while isinstance(report, LayerDone):
+            report = proc._results.get(timeout=60)
+        assert report.step == 0 and int(proc.shared.guard.publishing_step) == 0
         assert not torch.equal(co.adapter.flat, init)  # published
-        os.kill(co.backward.process.pid, signal.SIGKILL)
-        co.backward.process.join(5)
+        os.kill(proc.process.pid, signal.SIGKILL)
+        proc.process.join(5)
         co.poll()
         assert co.stats().worker_restarts == 1 and co.stats().ft_samples_committed == 0
-        assert len(co.pool) == 10
-        assert torch.equal(co.adapter.flat, init) and int(co.optimizer_state.step) == 0
-        co.backward.wait_ready()
+        assert len(co.book.pool) == 10
+        state = co.trainer.optimizer_state
+        assert torch.equal(co.adapter.flat, init) and int(state.step) == 0
+        proc.wait_ready()
         fx.capture_all(co, model)
         co.drain()
-        assert co.stats().ft_samples_committed == 10 and co.pool.progress().finished
-        assert int(co.optimizer_state.step) == co.optimizer_steps == 1
+        assert co.stats().ft_samples_committed == 10 and co.book.progress().finished
+        assert int(state.step) == co.trainer.optimizer_steps == 1
     finally:
-        co.backward.stop()
+        co.close(drain=False, checkpoint=False)

@@ -1,10 +1,15 @@
 """Layer-by-layer recompute gives the gradients of a normal backward (dropout replayed)."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from deltaserve.core.admission import AdmissionPlan
+from deltaserve.core.contract import TrainingRows
 from deltaserve.core.data import IGNORE_INDEX
+from deltaserve.core.shape import StepShape
 from deltaserve.model import AdapterWeights, CausalSegments, ForwardContext, LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
 from deltaserve.model.lora import DropoutSegment, LoRAGroup
@@ -12,6 +17,7 @@ from deltaserve.train.buffer import ActivationBuffer, BufferConfig
 from deltaserve.train.capture import forward_training_rows
 from deltaserve.train.messages import JobSample
 from deltaserve.train.recompute import layerwise_backward, shifted_targets
+from deltaserve.train.step import CapturingStep
 from tests.tiny import hf_tiny_llama
 
 
@@ -51,6 +57,16 @@ def group(ad, samples, rows):
     return LoRAGroup(ad, rows, ad.config.dropout, tuple(segs))
 
 
+def capturing_step(samples, dropout, buf):
+    """The co-server's step object for ``samples``, capturing from buffer row 0."""
+    ids = tuple(js.sample_id for _, js in samples)
+    shape = StepShape(ft_lens=tuple(js.length for _, js in samples))
+    plan = AdmissionPlan(ids, shape, None, 0.0, None, row_start=0)
+    rows = TrainingRows(tuple(s for s, _ in samples), dropout,
+                        tuple(js.dropout_seed for _, js in samples))
+    return CapturingStep(plan, rows, False, buf, threading.Event())
+
+
 def full_backward(model, ad, samples):
     ids = torch.tensor([t for s, _ in samples for t in s])
     lengths = [len(s) for s, _ in samples]
@@ -72,11 +88,7 @@ def test_layerwise_gradients_equal_full_backward(model, dropout, save):
     ad = adapter_for(model, dropout)
     total = sum(js.length for _, js in samples)
     buf = ActivationBuffer(BufferConfig(total + 5, save), model.config, torch.float32)
-    forward_training_rows(model, [s for s, _ in samples],
-                          lambda rows: group(ad, samples, rows),
-                          lambda layer, h: buf.write_residual(layer, 0, h),
-                          (lambda layer, g, u: buf.write_mlp(layer, 0, g, u))
-                          if buf.config.saves_mlp else None)
+    forward_training_rows(model, capturing_step(samples, dropout, buf), ad)
     want_loss, want_grad = full_backward(model, ad, samples)
     trainable = ad.clone(requires_grad=True)
     stats = layerwise_backward(model, trainable, buf, [js for _, js in samples], dropout)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from deltaserve.bench.host import ServingHost
 from deltaserve.core.contract import StepRecord
-from deltaserve.hosts.native.request import RequestOutput, SamplingParams
+from deltaserve.core.requests import RequestOutput, SamplingParams
+from deltaserve.hosts.base import BaseHost
 from deltaserve.workloads.trace import Trace
 
 
@@ -94,7 +94,7 @@ class ReplayResult:
         return self.end_s - self.start_s
 
 
-def replay(host: ServingHost, trace: Trace, prompts: PromptSource, *, label: str = "replay",
+def replay(host: BaseHost, trace: Trace, prompts: PromptSource, *, label: str = "replay",
            drain_timeout_s: float = 300.0, progress: bool = True) -> ReplayResult:
     """Send ``trace`` to ``host`` and wait until every request finished or
     ``drain_timeout_s`` passed after the last arrival.
@@ -105,8 +105,8 @@ def replay(host: ServingHost, trace: Trace, prompts: PromptSource, *, label: str
     """
     records = [RequestRecord(i, 0.0, r.prompt_tokens, r.output_tokens)
                for i, r in enumerate(trace.requests)]
-    host.record_steps = True
-    host.step_log.clear()
+    steps: list[StepRecord] = []
+    host.subscribe_steps(steps.append)
     stop = threading.Event()
     bar = tqdm(total=len(records), desc=label, unit="req", disable=not progress,
                dynamic_ncols=True)
@@ -140,5 +140,6 @@ def replay(host: ServingHost, trace: Trace, prompts: PromptSource, *, label: str
         stop.set()
         sender.join()
         bar.close()
-    return ReplayResult(records, start, float(outcome["end"]), trace.duration_s,
-                        list(host.step_log), bool(outcome.get("timed_out", True)))
+        host.unsubscribe_steps(steps.append)
+    return ReplayResult(records, start, float(outcome["end"]), trace.duration_s, steps,
+                        bool(outcome.get("timed_out", True)))

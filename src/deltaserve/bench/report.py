@@ -5,7 +5,6 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -14,11 +13,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from deltaserve.bench.metrics import meets_slo
+from deltaserve.bench.outcome import SystemRun
 from deltaserve.core.slo import SLOConfig
 from deltaserve.workloads.trace import Trace
-
-if TYPE_CHECKING:
-    from deltaserve.bench.run import SystemRun
 
 COLUMNS = ("ft_tokens_per_s", "ft_samples_per_s", "slo_attainment", "ttft_p50_ms", "ttft_p99_ms",
            "tpot_p99_ms", "mean_e2e_s", "completed_requests", "latency_model_mape",
@@ -113,7 +110,7 @@ def plot_loss(train_log: str, path: Path) -> bool:
     if not p.is_file():
         return False
     rows = [json.loads(x) for x in p.read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]
+    rows = [r for r in rows if r.get("event") == "OptimizerStep"]
     if not rows:
         return False
     fig, ax = plt.subplots(figsize=(6, 3))

@@ -20,7 +20,13 @@ from deltaserve.core.calibration import (
     ProbeKind,
     build_plan,
 )
-from deltaserve.core.contract import CoServingHooks, Host, StepReport
+from deltaserve.core.contract import (
+    CoServingHooks,
+    StepReport,
+    TrainingHost,
+    TrainingRows,
+    TrainingStep,
+)
 from deltaserve.core.data import DataConfig, DatasetReport, TrainingSample, load_dataset
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import Equation, LatencyModel, LatencyModelConfig
@@ -34,5 +40,6 @@ __all__ = [
     "DataConfig", "DatasetReport", "Equation", "ExecMode", "Host", "HostLimits", "InputError",
     "LatencyModel", "LatencyModelConfig", "PoolProgress", "PoolStateError", "ProbeKind", "RowSpan",
     "SLOConfig", "SamplePool", "SchedulingView", "Skip", "StepBudget", "StepReport", "StepShape",
-    "TrainingSample", "WaitingRequest", "build_plan", "load_dataset",
+    "TrainingHost", "TrainingRows", "TrainingSample", "TrainingStep", "WaitingRequest",
+    "build_plan", "load_dataset",
 ]

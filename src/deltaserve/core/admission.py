@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from deltaserve.core.buffer_ledger import BufferLedger, RowSpan
 from deltaserve.core.calibration import Batching, HostLimits
-from deltaserve.core.errors import require, require_choice
+from deltaserve.core.errors import coerce_enum, require
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.pool import SamplePool
 from deltaserve.core.shape import StepShape
@@ -60,7 +60,7 @@ class AdmissionConfig:
     admit_during_backward: bool = False
 
     def __post_init__(self) -> None:
-        require_choice("mode", self.mode, tuple(AdmissionMode))
+        coerce_enum(self, "mode", AdmissionMode, "admission")
         require(self.max_ft_tokens_per_step > 0, "max_ft_tokens_per_step",
                 self.max_ft_tokens_per_step, "must be > 0")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 
@@ -44,3 +45,15 @@ def require_non_negative(field: str, value: float) -> None:
 
 def require_choice(field: str, value: Any, choices: tuple[Any, ...]) -> None:
     require(value in choices, field, value, f"must be one of {', '.join(map(str, choices))}")
+
+
+def coerce_enum(obj: object, name: str, enum: type[StrEnum], field: str | None = None) -> None:
+    """In a frozen dataclass's ``__post_init__``: accept the enum's value as a string (from a
+    CLI, JSON or a caller), store the member, and name the field when the value is unknown."""
+    value = getattr(obj, name)
+    try:
+        member = enum(value)
+    except ValueError:
+        raise InputError(field or name, value,
+                         f"must be one of {', '.join(m.value for m in enum)}") from None
+    object.__setattr__(obj, name, member)

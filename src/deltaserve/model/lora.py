@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.core.contract import TrainingRows
 from deltaserve.core.errors import require
 from deltaserve.model.config import ModelConfig
 
@@ -183,6 +184,17 @@ class LoRAGroup:
     rows: slice | torch.Tensor
     dropout: float = 0.0
     segments: tuple[DropoutSegment, ...] = ()
+
+
+def training_group(adapter: AdapterWeights, rows: slice | torch.Tensor,
+                   training: TrainingRows) -> LoRAGroup:
+    """The training adapter on a step's training rows, each sample's dropout seeded by its own
+    seed (so the backward replays the forward's masks)."""
+    segments, offset = [], 0
+    for n, seed in zip(training.lengths, training.dropout_seeds, strict=True):
+        segments.append(DropoutSegment(offset, n, seed))
+        offset += n
+    return LoRAGroup(adapter, rows, training.dropout, tuple(segments))
 
 
 def _mix(seed: int, layer: int, module: str) -> int:

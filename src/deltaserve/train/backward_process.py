@@ -18,6 +18,7 @@ from deltaserve.train.messages import (
     BackwardDone,
     BackwardFailed,
     BackwardJob,
+    LayerDone,
     Stop,
     WorkerReady,
 )
@@ -35,7 +36,7 @@ class WorkerLost:
     rolled_back: bool = False
 
 
-BackwardEvent = BackwardDone | BackwardFailed | WorkerLost
+BackwardEvent = BackwardDone | BackwardFailed | WorkerLost | LayerDone
 
 
 class BackwardProcess:
@@ -44,7 +45,6 @@ class BackwardProcess:
         self.spec = spec
         self.shared = shared
         self.grant = Grant(self._ctx)
-        self.layers_done = self._ctx.Value("q", 0, lock=False)
         self.parked = self._ctx.Value("b", 1, lock=False)
         self.in_flight: BackwardJob | None = None
         self.restarts = 0
@@ -64,8 +64,7 @@ class BackwardProcess:
         self.ready = False
         self.process = self._ctx.Process(
             target=worker_main, name="deltaserve-backward", daemon=True,
-            args=(self.spec, self.shared, self._jobs, self._results, self.grant,
-                  self.layers_done, self.parked))
+            args=(self.spec, self.shared, self._jobs, self._results, self.grant, self.parked))
         self.process.start()
 
     @property
@@ -79,7 +78,17 @@ class BackwardProcess:
         self._jobs.put(job)
 
     def poll(self, timeout_s: float = 0.0) -> list[BackwardEvent]:
-        """Finished, failed or lost jobs; waits up to ``timeout_s`` for one."""
+        """Messages from the process (waiting up to ``timeout_s`` for the first), and
+        :class:`WorkerLost` if it died with a job in flight (a new process is then started)."""
+        events = self._read(timeout_s)
+        if self.in_flight is not None and not self.process.is_alive():
+            events.append(self._lost())
+            self.restarts += 1
+            self.parked.value = 1
+            self._start()
+        return events
+
+    def _read(self, timeout_s: float) -> list[BackwardEvent]:
         events: list[BackwardEvent] = []
         deadline = time.monotonic() + timeout_s
         while True:
@@ -87,23 +96,24 @@ class BackwardProcess:
                 msg = self._results.get(timeout=max(0.0, deadline - time.monotonic())) \
                     if timeout_s > 0 and not events else self._results.get_nowait()
             except queue.Empty:
-                break
+                return events
             if isinstance(msg, WorkerReady):
                 self.ready = True
                 continue
-            if self.in_flight is not None and msg.step == self.in_flight.step:
+            if not isinstance(msg, LayerDone) and self.in_flight is not None \
+                    and msg.step == self.in_flight.step:
                 self.in_flight = None
             events.append(msg)
-        if self.in_flight is not None and not self.process.is_alive():
-            sh = self.shared
-            rolled_back = roll_back(self.in_flight.step, sh.adapter_flat, sh.optimizer, sh.guard)
-            lost = WorkerLost(self.in_flight, self.process.exitcode, rolled_back)
-            self.in_flight = None
-            self.restarts += 1
-            self.parked.value = 1
-            self._start()
-            events.append(lost)
-        return events
+
+    def _lost(self) -> WorkerLost:
+        """The in-flight job of a dead process: restore the committed state if it had begun
+        publishing (``publish.roll_back``)."""
+        assert self.in_flight is not None
+        sh = self.shared
+        rolled_back = roll_back(self.in_flight.step, sh.adapter_flat, sh.optimizer, sh.guard)
+        lost = WorkerLost(self.in_flight, self.process.exitcode, rolled_back)
+        self.in_flight = None
+        return lost
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Block until the process has started (before serving, so that its start-up does not
@@ -129,14 +139,17 @@ class BackwardProcess:
         return True
 
     def wait(self, timeout_s: float = 600.0) -> list[BackwardEvent]:
-        """Block until the in-flight job (if any) ends."""
+        """Block until the in-flight job (if any) ends; returns every event meanwhile."""
         events: list[BackwardEvent] = []
         deadline = time.monotonic() + timeout_s
         while self.in_flight is not None and time.monotonic() < deadline:
             events += self.poll(timeout_s=0.05)
         return events
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 30.0) -> list[BackwardEvent]:
+        """Stop the process, killing it after ``timeout_s`` (a hung backward). Returns what it
+        reported before it stopped and, for a job still in flight, :class:`WorkerLost` with the
+        shared state rolled back to the last committed step: nothing half-published survives."""
         self.grant.set()  # a paused worker must be able to finish to see Stop
         if self.process.is_alive():
             self._jobs.put(Stop())
@@ -144,3 +157,7 @@ class BackwardProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        events = self._read(0.0)
+        if self.in_flight is not None:
+            events.append(self._lost())
+        return events

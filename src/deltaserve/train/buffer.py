@@ -14,26 +14,34 @@ the base outputs of the frozen gate and up projections, so the recompute skips t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
-from deltaserve.core.errors import require, require_choice
+from deltaserve.core.errors import coerce_enum, require
 from deltaserve.model.config import ModelConfig
+
+
+class BufferSave(StrEnum):
+    """What the buffer keeps per token and layer (see the module docstring)."""
+
+    RESIDUAL = "residual"
+    RESIDUAL_MLP = "residual+mlp"
 
 
 @dataclass(frozen=True)
 class BufferConfig:
     capacity_tokens: int
-    save: str = "residual"
+    save: BufferSave = BufferSave.RESIDUAL
     offload: bool = False
 
     def __post_init__(self) -> None:
         require(self.capacity_tokens > 0, "buffer_tokens", self.capacity_tokens, "must be > 0")
-        require_choice("buffer_save", self.save, ("residual", "residual+mlp"))
+        coerce_enum(self, "save", BufferSave, "buffer_save")
 
     @property
     def saves_mlp(self) -> bool:
-        return self.save == "residual+mlp"
+        return self.save is BufferSave.RESIDUAL_MLP
 
 
 class ActivationBuffer:

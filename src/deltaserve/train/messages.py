@@ -45,6 +45,22 @@ class BackwardDone:
     lr: float
     wall_s: float
     paused_s: float  # time spent waiting on the grant flag
+    num_correct: int = 0  # loss tokens whose argmax prediction was the target
+
+    @property
+    def mean_token_accuracy(self) -> float:
+        return self.num_correct / self.num_loss_tokens if self.num_loss_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class LayerDone:
+    """The backward of step ``step`` finished decoder layer ``layer`` after ``compute_s``
+    seconds of computing (grant waits excluded): the parent's estimate of how long the backward
+    takes to stop at a layer boundary."""
+
+    step: int
+    layer: int
+    compute_s: float
 
 
 @dataclass(frozen=True)

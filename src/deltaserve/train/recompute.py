@@ -26,12 +26,16 @@ from deltaserve.train.messages import JobSample
 # seconds it waited.
 GrantWait = Callable[[int], float]
 
+# Called before recomputing each layer; blocks while inference holds the grant and returns the
+# seconds it waited.
+
 
 @dataclass(frozen=True)
 class BackwardStats:
     loss: float
     num_loss_tokens: int
     paused_s: float
+    num_correct: int = 0  # counted positions whose argmax prediction is the target
 
 
 def shifted_targets(samples: Sequence[JobSample]) -> torch.Tensor:
@@ -72,7 +76,7 @@ def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: Activ
 
     paused = 0.0
     grad_out: torch.Tensor | None = None
-    loss_value = 0.0
+    loss_value, num_correct = 0.0, 0
     for layer in reversed(range(model.num_layers)):
         if wait_grant is not None:
             paused += wait_grant(layer)
@@ -86,9 +90,10 @@ def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: Activ
             loss = F.cross_entropy(logits, targets[counted], reduction="sum") / num_loss_tokens
             loss.backward()
             loss_value = float(loss.detach())
+            num_correct = int((logits.detach().argmax(-1) == targets[counted]).sum())
         else:
             out.backward(grad_out)
         grad_out = h.grad if layer > 0 else None
         if on_layer is not None:
             on_layer(layer)
-    return BackwardStats(loss_value, num_loss_tokens, paused)
+    return BackwardStats(loss_value, num_loss_tokens, paused, num_correct)

@@ -14,8 +14,10 @@ import os
 import queue
 import time
 import traceback
+from collections.abc import Callable
+from ctypes import c_byte
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.queues import Queue
 
 import torch
 
@@ -24,10 +26,17 @@ from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.buffer import ActivationBuffer
 from deltaserve.train.grant import Grant
-from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, Stop, WorkerReady
+from deltaserve.train.messages import (
+    BackwardDone,
+    BackwardFailed,
+    BackwardJob,
+    LayerDone,
+    Stop,
+    WorkerReady,
+)
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw
 from deltaserve.train.publish import PublishGuard, publish, roll_back
-from deltaserve.train.recompute import layerwise_backward
+from deltaserve.train.recompute import GrantWait, layerwise_backward
 
 
 @dataclass(frozen=True)
@@ -49,9 +58,13 @@ class SharedState:
     guard: PublishGuard
 
 
+LayerCallback = Callable[[int], None]
+
+
 def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optimizer,
-            spec: WorkerSpec, shared: SharedState, job: BackwardJob, wait_grant=None,
-            on_layer=None) -> BackwardDone:
+            spec: WorkerSpec, shared: SharedState, job: BackwardJob,
+            wait_grant: GrantWait | None = None, on_layer: LayerCallback | None = None
+            ) -> BackwardDone:
     """One optimizer step; publishes the adapter and optimizer state when it succeeds."""
     t0 = time.perf_counter()
     stats = layerwise_backward(model, trainable, shared.buffer, job.samples, spec.lora.dropout,
@@ -70,57 +83,86 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
     publish(job.step, trainable.flat, opt, shared.adapter_flat, shared.optimizer, shared.guard)
     return BackwardDone(job.step, tuple(s.sample_id for s in job.samples), job.num_tokens,
                         stats.num_loss_tokens, stats.loss, grad_norm, lr,
-                        time.perf_counter() - t0, stats.paused_s)
+                        time.perf_counter() - t0, stats.paused_s, stats.num_correct)
 
 
-def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Any, results: Any, grant: Grant,
-                layers_done: Any, parked: Any) -> None:
-    """``parked`` is 1 whenever the process computes nothing (between jobs, or waiting on the
-    grant), so a host that clears the grant can wait until its cores are really free."""
-    torch.set_num_threads(spec.num_threads)
-    model = LlamaModel(shared.model_config, shared.weights)
-    trainable = AdapterWeights(shared.model_config, spec.lora,
-                               shared.adapter_flat.detach().clone()).make_trainable_()
-    opt = build_adamw(trainable.flat, spec.optimizer, shared.optimizer)
+class _Worker:
+    """The process's state: the model over the mapped weights, a private trainable copy of the
+    adapter and its AdamW. ``parked`` is 1 whenever the process computes nothing (between jobs,
+    or waiting on the grant), so a host that takes the grant back can wait until its cores are
+    really free."""
 
-    parent = mp.parent_process()
+    def __init__(self, spec: WorkerSpec, shared: SharedState, results: Queue, grant: Grant,
+                 parked: c_byte):
+        self.spec, self.shared, self.results = spec, shared, results
+        self.grant, self.parked = grant, parked
+        self.model = LlamaModel(shared.model_config, shared.weights)
+        self.trainable = AdapterWeights(shared.model_config, spec.lora,
+                                        shared.adapter_flat.detach().clone()).make_trainable_()
+        self.opt = build_adamw(self.trainable.flat, spec.optimizer, shared.optimizer)
+        self.parent = mp.parent_process()
+        self.step = -1
+        self.layer_t0 = time.perf_counter()
 
-    def wait_grant(layer: int) -> float:
-        if grant.is_set():
+    def orphaned(self) -> bool:
+        return self.parent is not None and not self.parent.is_alive()
+
+    def wait_grant(self, layer: int) -> float:
+        if self.grant.is_set():
             return 0.0
         t = time.perf_counter()
-        parked.value = 1
-        while not grant.wait(timeout_s=1.0):
-            if parent is not None and not parent.is_alive():
+        self.parked.value = 1
+        while not self.grant.wait(timeout_s=1.0):
+            if self.orphaned():
                 raise SystemExit(0)  # orphaned while paused: nobody will set the grant
-        parked.value = 0
-        return time.perf_counter() - t
+        self.parked.value = 0
+        waited = time.perf_counter() - t
+        self.layer_t0 += waited  # a layer's compute time leaves the wait out
+        return waited
 
-    def on_layer(layer: int) -> None:
-        layers_done.value += 1
+    def on_layer(self, layer: int) -> None:
+        now = time.perf_counter()
+        self.results.put(LayerDone(self.step, layer, now - self.layer_t0))
+        self.layer_t0 = now
 
+    def run(self, job: BackwardJob) -> None:
+        self.parked.value = 0  # computing; it checks the grant before its first layer
+        self.step, self.layer_t0 = job.step, time.perf_counter()
+        try:
+            done = run_job(self.model, self.trainable, self.opt, self.spec, self.shared, job,
+                           self.wait_grant, self.on_layer)
+        except Exception:
+            self.parked.value = 1
+            self.recover(job.step)
+            self.results.put(BackwardFailed(job.step, traceback.format_exc()))
+            return
+        self.parked.value = 1
+        self.results.put(done)
+
+    def recover(self, step: int) -> None:
+        """The committed state is the truth: undo a half-done publish and drop the half-made
+        step from the private copies (the optimizer's moments included)."""
+        sh = self.shared
+        roll_back(step, sh.adapter_flat, sh.optimizer, sh.guard)
+        with torch.no_grad():
+            self.trainable.flat.copy_(sh.adapter_flat)
+        self.trainable.flat.grad = None
+        self.opt = build_adamw(self.trainable.flat, self.spec.optimizer, sh.optimizer)
+
+
+def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Queue, results: Queue, grant: Grant,
+                parked: c_byte) -> None:
+    """The process's entry point: report ready, then run jobs until ``Stop`` or orphaned."""
+    torch.set_num_threads(spec.num_threads)
+    worker = _Worker(spec, shared, results, grant, parked)
     results.put(WorkerReady(os.getpid()))
     while True:
         try:
             msg = jobs.get(timeout=1.0)
         except queue.Empty:
-            if parent is not None and not parent.is_alive():
+            if worker.orphaned():
                 return  # orphaned: nobody will read the results
             continue
         if isinstance(msg, Stop):
             return
-        parked.value = 0  # computing; it checks the grant before its first layer
-        try:
-            done = run_job(model, trainable, opt, spec, shared, msg, wait_grant, on_layer)
-            parked.value = 1
-            results.put(done)
-        except Exception:
-            parked.value = 1
-            # the committed state is the truth: undo a half-done publish, drop the half-made
-            # step from the private copies (the optimizer's moments included)
-            roll_back(msg.step, shared.adapter_flat, shared.optimizer, shared.guard)
-            with torch.no_grad():
-                trainable.flat.copy_(shared.adapter_flat)
-            trainable.flat.grad = None
-            opt = build_adamw(trainable.flat, spec.optimizer, shared.optimizer)
-            results.put(BackwardFailed(msg.step, traceback.format_exc()))
+        worker.run(msg)

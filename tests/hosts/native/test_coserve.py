@@ -10,9 +10,10 @@ import torch
 from deltaserve.core import AdmissionConfig, CalibrationConfig, ExecMode, SLOConfig, StepShape
 from deltaserve.core.admission import Skip
 from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
-from deltaserve.hosts.native.coserve import attach, detach
 from deltaserve.model import LoRAConfig
+from deltaserve.train.config import BackwardConfig
 from tests.hosts.native.test_engine import prompts
+from tests.hosts.spies import StepLog, spy_steps
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
 
@@ -28,15 +29,17 @@ def tiny(tmp_path_factory):
 
 
 def engine(path, device="cpu"):
-    return LLMEngine(EngineConfig(model=str(path), max_num_seqs=16, max_num_batched_tokens=128,
-                                  block_size=8, kv_cache_tokens=4096, max_model_len=256,
-                                  device=device))
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=16,
+                                  max_num_batched_tokens=128, block_size=8, kv_cache_tokens=4096,
+                                  max_model_len=256, device=device))
 
 
-def coserve(eng, slo=SLOConfig(5.0, 5.0), n_samples=40, **kw):
-    return attach(eng, dataset=fx.samples(n_samples), slo=slo, calibration=SMALL_CAL,
-                  progress=False, lora=LoRAConfig(r=4, alpha=8), backward_batch_tokens=64,
-                  **kw)
+def coserve(eng, slo=SLOConfig(5.0, 5.0), n_samples=40, buffer_tokens=None, **kw):
+    co = eng.attach(dataset=fx.samples(n_samples), slo=slo, calibration=SMALL_CAL,
+                    progress=False, lora=LoRAConfig(r=4, alpha=8),
+                    backward=BackwardConfig(batch_tokens=64, buffer_tokens=buffer_tokens), **kw)
+    co.recorder = fx.Recorder(co)
+    return co
 
 
 def replay(eng, ps, gap_s, params):
@@ -58,12 +61,12 @@ def replay(eng, ps, gap_s, params):
 def finish_epoch(eng, co, timeout_s=120.0) -> list[int]:
     """Step (training-only steps when idle) until the epoch is committed; the committed ids."""
     deadline = time.monotonic() + timeout_s
-    while not co.pool.progress().finished and time.monotonic() < deadline:
+    while not co.book.progress().finished and time.monotonic() < deadline:
         if not eng.step():
             co.idle(timeout_s=0.05)
             if not co.backward_busy:
                 co.drain()
-    return [i for c in co.commits for i in c.done.sample_ids]
+    return co.recorder.committed_ids
 
 
 @pytest.mark.parametrize("device", [
@@ -76,7 +79,7 @@ def test_outputs_identical_with_and_without_coserving(tiny, device):
     params = SamplingParams(max_tokens=8)
     base = [o.output_token_ids for o in replay(engine(tiny, device), ps, 0.002, params)]
     eng = engine(tiny, device)
-    eng.record_steps = True
+    log = StepLog(eng)
     co = coserve(eng)
     try:
         outs = replay(eng, ps, 0.002, params)
@@ -84,14 +87,14 @@ def test_outputs_identical_with_and_without_coserving(tiny, device):
         assert [o.output_token_ids for o in outs] == base
         ids = {o.request_id for o in outs}
         assert len(ids) == 100 and all(i.startswith("req-") for i in ids)
-        assert len(eng._requests) == 0  # nothing but the 100 client requests ever finished
+        assert not eng.has_unfinished() and not eng._requests  # no hidden work left behind
         stats = co.stats()
         assert stats.ft_tokens_committed > 0 and stats.optimizer_steps > 0
-        assert any(r.ft_tokens and r.shape.has_inference for r in eng.step_log)  # mixed steps
+        assert any(r.ft_tokens and r.shape.has_inference for r in log.records)  # mixed steps
         if device == "cuda":
-            assert any(r.shape.mode is ExecMode.GRAPH for r in eng.step_log)
+            assert any(r.shape.mode is ExecMode.GRAPH for r in log.records)
     finally:
-        detach(eng, drain=False, checkpoint=False)
+        eng.detach(drain=False, checkpoint=False)
 
 
 def test_light_load_meets_slo_and_trains(tiny):
@@ -108,7 +111,7 @@ def test_light_load_meets_slo_and_trains(tiny):
             eng.step() or co.idle(timeout_s=0.05)
         assert co.stats().ft_tokens_committed > 0
     finally:
-        detach(eng, drain=False, checkpoint=False)
+        eng.detach(drain=False, checkpoint=False)
 
 
 def test_overload_admits_nothing_while_inference_continues(tiny):
@@ -118,75 +121,65 @@ def test_overload_admits_nothing_while_inference_continues(tiny):
         for p in prompts(60, seed=7):
             eng.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True))
         time.sleep(0.05)  # every request is already past its TTFT objective
-        eng.record_steps = True
+        log = StepLog(eng)
         while eng.has_unfinished():
             eng.step()
-        assert all(r.ft_tokens == 0 for r in eng.step_log if r.shape.has_inference)
+        assert all(r.ft_tokens == 0 for r in log.records if r.shape.has_inference)
         assert co.stats().skips.get(Skip.BUDGET_EXHAUSTED, 0) > 0
-        assert len(eng._requests) == 60
+        assert len(eng._finished) == 60
     finally:
-        detach(eng, drain=False, checkpoint=False)
+        eng.detach(drain=False, checkpoint=False)
 
 
 def test_arrival_aborts_training_only_step_within_one_layer(tiny):
     eng = engine(tiny)
     co = coserve(eng, admission=AdmissionConfig(max_ft_tokens_per_step=128), n_samples=12)
-    arrival_layer = 3
-    capture = co.capture
     arrived: list[int] = []
 
-    def capture_and_arrive(layer, rows):
-        capture(layer, rows)
-        if layer == arrival_layer and not arrived:  # a client request lands mid-step
+    def arrive_after_layer_3(spy, layer):
+        if layer == 3 and not arrived:  # a client request lands mid-step
             arrived.append(layer)
             eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
 
-    co.capture = capture_and_arrive
-    eng.record_steps = True
+    spies = spy_steps(co, after_capture=arrive_after_layer_3)
+    log = StepLog(eng)
     try:
         assert eng.step()  # idle engine: a training-only step, aborted by the arrival
-        rec = eng.step_log[-1]
+        rec = log.records[-1]
         assert rec.aborted and not rec.shape.has_inference
+        assert spies.reports[-1].layers_run == 4  # stopped at the next layer boundary
         assert co.stats().aborted_steps == 1
         # the engine's next step schedules the request
-        assert eng.step() and eng.step_log[-1].shape.has_inference
+        assert eng.step() and log.records[-1].shape.has_inference
         # the aborted samples went back to the pool and are trained later, exactly once
-        co.capture = capture
+        spies.after_capture = None
         while eng.has_unfinished():
             eng.step()
         assert sorted(finish_epoch(eng, co)) == list(range(12))
     finally:
-        detach(eng, drain=False, checkpoint=False)
+        eng.detach(drain=False, checkpoint=False)
 
 
 def test_abort_is_measured_in_layers(tiny):
-    """The layer at which the step stopped is the one after the arrival."""
+    """The layer at which the step stopped is the one after the arrival: every boundary before
+    it said go on, that one said stop, and no later layer was captured."""
     eng = engine(tiny)
     co = coserve(eng, n_samples=12)
-    seen = []
-    orig = co.should_abort
 
-    def should_abort():
-        verdict = orig()
-        seen.append((eng.runner.current_layer, verdict))
-        return verdict
-
-    co.should_abort = should_abort
-    capture = co.capture
-
-    def capture_and_arrive(layer, rows):
-        capture(layer, rows)
+    def arrive_after_layer_5(spy, layer):
         if layer == 5:
             co.on_arrival()
 
-    co.capture = capture_and_arrive
+    spies = spy_steps(co, after_capture=arrive_after_layer_5)
+    log = StepLog(eng)
     try:
-        eng.record_steps = True
         eng.step()
-        assert eng.step_log[-1].aborted
-        assert seen[-1] == (6, True) and all(not v for _, v in seen[:-1])
+        assert log.records[-1].aborted
+        spy = spies.steps[-1]
+        assert spy.verdicts == [False] * 6 + [True] and spy.captured == list(range(6))
+        assert spies.reports[-1].layers_run == 6
     finally:
-        detach(eng, drain=False, checkpoint=False)
+        eng.detach(drain=False, checkpoint=False)
 
 
 def test_calibration_reports_error(tiny):
@@ -197,7 +190,7 @@ def test_calibration_reports_error(tiny):
         assert q and all(f.num_points > 0 and f.mape >= 0 for f in q)
         assert eng.latency_model.predict(StepShape((64,))) > 0
     finally:
-        detach(eng, drain=False, checkpoint=False)
+        eng.detach(drain=False, checkpoint=False)
 
 
 def test_pipelined_admission_trains_every_sample_exactly_once(tiny):
@@ -207,23 +200,13 @@ def test_pipelined_admission_trains_every_sample_exactly_once(tiny):
     params = SamplingParams(max_tokens=6)
     base = [o.output_token_ids for o in replay(engine(tiny), ps, 0.005, params)]
     eng = engine(tiny)
-    eng.record_steps = True
     co = coserve(eng, n_samples=24, num_epochs=1, buffer_tokens=3 * 64 + 128,
                  admission=AdmissionConfig(admit_during_backward=True))
-    admitted_while_busy = []
-    plan = co.plan
-
-    def spy(view):
-        busy = co.backward_busy
-        out = plan(view)
-        if busy and out.sample_ids:
-            admitted_while_busy.append(len(out.sample_ids))
-        return out
-
-    co.plan = spy
+    spies = spy_steps(co)
     try:
         assert [o.output_token_ids for o in replay(eng, ps, 0.005, params)] == base
         assert sorted(finish_epoch(eng, co)) == list(range(24))
-        assert admitted_while_busy  # the overlap Algorithm 1 forbids did happen
+        # the overlap Algorithm 1 forbids did happen
+        assert any(s.backward_busy and s.rows.num_samples for s in spies.steps)
     finally:
-        detach(eng, drain=False, checkpoint=False)
+        eng.detach(drain=False, checkpoint=False)

@@ -13,7 +13,9 @@ from deltaserve.core import ExecMode
 from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
 from deltaserve.hosts.native.cuda_graphs import DecodeGraphs, buckets_up_to
 from deltaserve.model import AdapterWeights, LoRAConfig
+from deltaserve.model.peft_io import save_adapter
 from tests.hosts.native.test_engine import hf_greedy, prompts
+from tests.hosts.spies import StepLog
 from tests.tiny import hf_tiny_llama
 
 
@@ -25,8 +27,8 @@ def tiny(tmp_path_factory):
 
 
 def engine(path, device="cpu", **kw):
-    cfg = dict(model=str(path), max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
-               kv_cache_tokens=2048, max_model_len=256, device=device)
+    cfg = dict(model=str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+               block_size=4, kv_cache_tokens=2048, max_model_len=256, device=device)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 
@@ -62,15 +64,15 @@ def test_static_decode_equals_eager_and_transformers(tiny):
     want = [list(o.output_token_ids) for o in eager.generate(ps, SamplingParams(max_tokens=20))]
 
     eng = engine(tiny)
-    eng.record_steps = True
+    log = StepLog(eng)
     scratch_before = eng.cache.k.clone()
     g = with_static_graphs(eng)
     got = [list(o.output_token_ids) for o in eng.generate(ps, SamplingParams(max_tokens=20))]
     assert got == want
     for p, o in zip(ps, got, strict=True):
         assert o == hf_greedy(ref, p, 20)[: len(o)]
-    modes = [r.shape.mode for r in eng.step_log]
-    decode_only = [r.shape.is_decode_only for r in eng.step_log]
+    modes = [r.shape.mode for r in log.records]
+    decode_only = [r.shape.is_decode_only for r in log.records]
     assert modes == [ExecMode.GRAPH if d else ExecMode.EAGER for d in decode_only]
     assert modes.count(ExecMode.GRAPH) >= 10
     # padding rows wrote only the scratch block, which no request was given
@@ -81,21 +83,22 @@ def test_static_decode_equals_eager_and_transformers(tiny):
 
 def test_adapter_rows_run_eager(tiny, tmp_path):
     eng = engine(tiny)
-    eng.record_steps = True
+    log = StepLog(eng)
     with_static_graphs(eng)
     ad = AdapterWeights(eng.model.config, LoRAConfig(r=4, alpha=8))
     with torch.no_grad():
         ad.flat.copy_(torch.randn(ad.numel, generator=torch.Generator().manual_seed(0)) * 0.3)
-    eng.add_lora("a", ad)
+    adir = str(save_adapter(tmp_path / "a", ad, str(tiny)))
+    eng.add_lora("a", adir)
     ref = engine(tiny)
-    ref.add_lora("a", ad)
+    ref.add_lora("a", adir)
     ps = prompts(3, seed=2)
     want = [list(o.output_token_ids)
             for o in ref.generate(ps, SamplingParams(max_tokens=6), adapter="a")]
     got = [list(o.output_token_ids)
            for o in eng.generate(ps, SamplingParams(max_tokens=6), adapter="a")]
     assert got == want
-    assert all(r.shape.mode is ExecMode.EAGER for r in eng.step_log)
+    assert all(r.shape.mode is ExecMode.EAGER for r in log.records)
 
 
 def test_execution_mode_reports_graph_only_for_captured_decodes(tiny):
@@ -118,7 +121,7 @@ def test_captured_graphs_replay_the_eager_engine_on_cuda(tiny):
     eng = engine(tiny, device="cuda")
     assert eng.runner.graphs is not None
     assert eng.runner.graphs.num_captured == len(buckets_up_to(8)) * len(buckets_up_to(64))
-    eng.record_steps = True
+    log = StepLog(eng)
     got = [list(o.output_token_ids) for o in eng.generate(ps, SamplingParams(max_tokens=20))]
     assert got == want
-    assert sum(r.shape.mode is ExecMode.GRAPH for r in eng.step_log) >= 10
+    assert sum(r.shape.mode is ExecMode.GRAPH for r in log.records) >= 10

@@ -17,8 +17,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
 @pytest.fixture(scope="module")
 def setup():
     path = resolve_model("smollm2")
-    eng = LLMEngine(EngineConfig(model="smollm2", max_num_batched_tokens=64, max_num_seqs=8,
-                                 kv_cache_tokens=4096, max_model_len=512))
+    eng = LLMEngine(EngineConfig(model="smollm2", dtype="float32", max_num_batched_tokens=64,
+                                 max_num_seqs=8, kv_cache_tokens=4096, max_model_len=512))
     return path, eng
 
 

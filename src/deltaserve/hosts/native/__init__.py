@@ -5,8 +5,8 @@ spirit of nano-vllm. It is the smallest engine that gives co-serving everything 
 runs anywhere torch does.
 """
 
+from deltaserve.core.requests import RequestOutput, SamplingParams
 from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.native.engine import LLMEngine
-from deltaserve.hosts.native.request import RequestOutput, SamplingParams
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -12,36 +12,45 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
+from deltaserve.core.admission import AdmissionPlan
 from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, build_plan
+from deltaserve.core.contract import TrainingRows
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
+from deltaserve.core.requests import SamplingParams
 from deltaserve.core.shape import StepShape
-from deltaserve.hosts.native.model_runner import TrainingRows
-from deltaserve.hosts.native.request import Request, SamplingParams
+from deltaserve.hosts.native.request import Request
 from deltaserve.hosts.native.scheduler import ScheduledBatch, ScheduledItem
 from deltaserve.hosts.native.view import step_shape
-from deltaserve.model.lora import AdapterWeights, DropoutSegment, LoRAConfig, LoRAGroup
+from deltaserve.model.lora import AdapterWeights, LoRAConfig
+
+if TYPE_CHECKING:  # the engine calls this module
+    from deltaserve.hosts.native.engine import LLMEngine
 
 
 class _Probe:
     """The requests of one probe, holding KV blocks until released."""
 
-    def __init__(self, engine, probe: CalibrationProbe, rng: random.Random):
+    def __init__(self, engine: LLMEngine, probe: CalibrationProbe, rng: random.Random):
         self.engine = engine
         vocab = engine.model.config.vocab_size
         items: list[ScheduledItem] = []
         self.requests: list[Request] = []
         for _ in range(probe.shape.num_decode):
             kv = probe.kv_per_decode
-            req = Request([rng.randrange(vocab) for _ in range(kv)], SamplingParams())
+            req = Request(f"probe-{len(self.requests)}", [rng.randrange(vocab)
+                                                           for _ in range(kv)], SamplingParams())
             req.output_token_ids = [rng.randrange(vocab)]
             req.num_computed = kv
             items.append(self._hold(req, kv + 1, 1))
         for n in probe.shape.prefill_lens:
-            req = Request([rng.randrange(vocab) for _ in range(probe.prefix_len + n)],
+            req = Request(f"probe-{len(self.requests)}",
+                          [rng.randrange(vocab) for _ in range(probe.prefix_len + n)],
                           SamplingParams())
             req.num_computed = probe.prefix_len
             items.append(self._hold(req, probe.prefix_len + n, n))
@@ -58,26 +67,40 @@ class _Probe:
             self.engine.sampler.forget(req.request_id)
 
 
-def _training_rows(model_config, lora: LoRAConfig, ft_lens, rng: random.Random,
-                   adapter: AdapterWeights, scratch: torch.Tensor) -> TrainingRows | None:
-    if not ft_lens:
+@dataclass(frozen=True, eq=False)
+class _ProbeStep:
+    """A stand-in :class:`~deltaserve.core.contract.TrainingStep` for timing: random training
+    rows whose captures go to a scratch buffer of the co-server's size, so the copy is timed."""
+
+    plan: AdmissionPlan
+    rows: TrainingRows
+    scratch: torch.Tensor
+    abortable: bool = False
+    saves_mlp: bool = False
+
+    def capture(self, layer: int, hidden: torch.Tensor) -> None:
+        self.scratch[layer, : hidden.shape[0]].copy_(hidden)
+
+    def capture_mlp(self, layer: int, gate: torch.Tensor, up: torch.Tensor) -> None:
+        """Not timed: the calibration buffer keeps the residual stream only."""
+
+    def should_abort(self) -> bool:
+        return False
+
+
+def _probe_step(shape: StepShape, vocab: int, lora: LoRAConfig, rng: random.Random,
+                scratch: torch.Tensor) -> _ProbeStep | None:
+    if not shape.ft_lens:
         return None
-    vocab = model_config.vocab_size
-    tokens = [[rng.randrange(vocab) for _ in range(n)] for n in ft_lens]
-    segments, offset = [], 0
-    for i, n in enumerate(ft_lens):
-        segments.append(DropoutSegment(offset, n, i))
-        offset += n
-
-    def capture(layer: int, rows: torch.Tensor) -> None:
-        scratch[layer, : rows.shape[0]].copy_(rows)
-
-    return TrainingRows(tokens, lambda rows: LoRAGroup(adapter, rows, lora.dropout,
-                                                       tuple(segments)), capture)
+    rows = TrainingRows(tuple(tuple(rng.randrange(vocab) for _ in range(n))
+                              for n in shape.ft_lens), lora.dropout,
+                        tuple(range(len(shape.ft_lens))))
+    return _ProbeStep(AdmissionPlan((), shape, None, 0.0, None), rows, scratch)
 
 
-def time_probe(engine, probe, lora: LoRAConfig, rng: random.Random, adapter: AdapterWeights,
-                scratch: torch.Tensor) -> tuple[StepShape, float]:
+def time_probe(engine: LLMEngine, probe: CalibrationProbe, lora: LoRAConfig,
+               rng: random.Random, adapter: AdapterWeights, scratch: torch.Tensor
+               ) -> tuple[StepShape, float]:
     """The shape a probe ran as (its mode is what the step reported) and the median seconds of
     its repeats after one warm-up run: one slow run (another process on the core) is not the
     shape."""
@@ -85,10 +108,10 @@ def time_probe(engine, probe, lora: LoRAConfig, rng: random.Random, adapter: Ada
     times, shape = [], None
     for r in range(probe.repeats + 1):
         p = _Probe(engine, probe, rng)
-        training = _training_rows(mc, lora, probe.shape.ft_lens, rng, adapter, scratch)
+        training = _probe_step(probe.shape, mc.vocab_size, lora, rng, scratch)
         try:
             t0 = time.perf_counter()
-            result = engine.runner.run(p.batch, training)
+            result = engine.runner.run(p.batch, training, adapter)
             seconds = time.perf_counter() - t0
         finally:
             p.release()
@@ -101,7 +124,7 @@ def time_probe(engine, probe, lora: LoRAConfig, rng: random.Random, adapter: Ada
     return shape, statistics.median(times)
 
 
-def calibrate(engine, lora: LoRAConfig, config: CalibrationConfig | None = None,
+def calibrate(engine: LLMEngine, lora: LoRAConfig, config: CalibrationConfig | None = None,
               latency: LatencyModelConfig | None = None, *, seed: int = 0,
               progress: bool = True) -> LatencyModel:
     """Time the calibration plan on ``engine`` (which must be idle) and fit a latency model."""

@@ -1,53 +1,47 @@
-"""The engine: requests in, tokens out, one ``step()`` at a time.
+"""The embedded engine: requests in, tokens out, one step at a time.
 
-``step()`` = schedule → (co-server plan) → run → postprocess. Clients may call
-:meth:`LLMEngine.add_request` from any thread while another thread drives :meth:`run_loop`.
+A step is schedule → (co-server plan) → run → postprocess. The client half (queues, outputs,
+the loop) is :class:`deltaserve.hosts.base.BaseHost`; this module is the engine half and the
+co-server's side of the contract.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections import deque
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from deltaserve.core.calibration import Batching, HostLimits
-from deltaserve.core.contract import StepRecord, StepReport
-from deltaserve.core.errors import InputError
-from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
+from deltaserve.core.contract import StepReport, TrainingStep
+from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.shape import ExecMode, StepShape
+from deltaserve.core.tokenizer import Tokenizer
+from deltaserve.hosts.base import BaseHost, ClientRequest
 from deltaserve.hosts.native.adapters import AdapterRegistry
 from deltaserve.hosts.native.attention import KVCache
 from deltaserve.hosts.native.block_manager import BlockManager
+from deltaserve.hosts.native.calibrate import calibrate
 from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.native.cuda_graphs import DecodeGraphs, buckets_up_to
-from deltaserve.hosts.native.model_runner import ModelRunner, StepResult, TrainingRows
-from deltaserve.hosts.native.request import (
-    Request,
-    RequestOutput,
-    SamplingParams,
-    Status,
-    TokenCallback,
-)
+from deltaserve.hosts.native.model_runner import ModelRunner, StepResult
+from deltaserve.hosts.native.request import Request
 from deltaserve.hosts.native.sampler import Sampler
 from deltaserve.hosts.native.scheduler import ScheduledBatch, Scheduler
+from deltaserve.hosts.native.stopping import finish_reason
 from deltaserve.hosts.native.view import scheduling_view, step_shape
-from deltaserve.model.llama import LlamaModel
-from deltaserve.model.loading import (
-    load_tokenizer,
-    load_weights,
-    resolve_dtype,
-    resolve_model,
-)
+from deltaserve.model.config import ModelConfig
+from deltaserve.model.llama import BaseWeights, LlamaModel
+from deltaserve.model.loading import load_tokenizer, load_weights, resolve_dtype, resolve_model
+from deltaserve.model.lora import AdapterWeights, LoRAConfig
 
 
-class LLMEngine:
+class LLMEngine(BaseHost):
+    config_cls = EngineConfig
+
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
-                 tokenizer=None, model_path: str | None = None):
+                 tokenizer: Tokenizer | None = None, model_path: str | None = None):
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -59,11 +53,9 @@ class LLMEngine:
             if tokenizer is None and (path / "tokenizer_config.json").is_file():
                 tokenizer = load_tokenizer(path)
         self.model = model
-        self.model_path = model_path or config.model
-        self.tokenizer = tokenizer
+        self._model_path = model_path or config.model
         mc = model.config
-        self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
-                                 config.kv_cache_tokens)
+        super().__init__(tokenizer, config.model_len(mc.max_position_embeddings))
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.cache = KVCache(mc, config.num_blocks, config.block_size, model.weights.dtype,
                              model.weights.device)
@@ -79,130 +71,101 @@ class LLMEngine:
                 scratch_block=self.blocks.reserve_block(), capture=True)
             self.runner.graphs.capture_all()
         self.eos_token_ids = self._eos_ids()
-        self.coserver = None  # a deltaserve.train.coserver.CoServer once attached
-        self.latency_model: LatencyModel | None = None
-        self.step_log: list[StepRecord] = []
-        self.record_steps = False
-        self._incoming: deque[Request] = deque()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._requests: dict[str, Request] = {}
 
-    # ---- facts the co-server asks for -------------------------------------------------------
+    # ---- the co-server's side (TrainingHost) ------------------------------------------------
     @property
     def limits(self) -> HostLimits:
         c = self.config
         return HostLimits(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
                           c.kv_cache_tokens, Batching.MIXED)
 
+    @property
+    def model_path(self) -> str:
+        return self._model_path
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
     def execution_mode(self, shape: StepShape) -> ExecMode:
-        """Graph for a decode-only step a captured bucket holds (assuming base-model requests:
-        the shape does not say which rows carry adapters; the step reports what it ran)."""
+        """The mode of the step the runner would pick for ``shape``; the shape does not say
+        which rows carry adapters, so this assumes base-model requests (each step reports the
+        mode it actually ran)."""
         g = self.runner.graphs
-        if g is None or not shape.is_decode_only or shape.ft_lens or not shape.num_decode:
+        if g is None or not shape.is_decode_only or not shape.num_decode:
             return ExecMode.EAGER
-        longest = -(-shape.kv_tokens // shape.num_decode) + 1  # the mean context, at least
+        longest = -(-shape.kv_tokens // shape.num_decode) + 1
         return ExecMode.EAGER if g.bucket(shape.num_decode, longest) is None else ExecMode.GRAPH
 
-    # ---- clients ----------------------------------------------------------------------------
-    def add_lora(self, name: str, adapter) -> None:
-        self.adapters.add(name, adapter)
+    def backward_weights(self) -> BaseWeights:
+        return self.model.weights  # shared memory on CPU, CUDA IPC on a GPU: no copy
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    adapter: str | None = None, callback: TokenCallback | None = None,
-                    request_id: str | None = None) -> str:
-        params = params or SamplingParams()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InputError("prompt", prompt[:40], "a text prompt needs a tokenizer")
-            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InputError("prompt", prompt, "is empty")
-        if len(ids) >= self.max_model_len:
-            raise InputError("prompt", f"{len(ids)} tokens",
-                             f"must be shorter than max_model_len={self.max_model_len}")
-        if params.stop and self.tokenizer is None:
-            raise InputError("stop", params.stop, "stop strings need a tokenizer")
-        if adapter is not None:
-            self.adapters.get(adapter)  # raises with the loaded names
-        req = Request(ids, params, adapter, callback, arrival_s=time.monotonic())
-        if request_id is not None:
-            req.request_id = request_id
-        with self._lock:
-            self._incoming.append(req)
-            self._requests[req.request_id] = req
-        if self.coserver is not None:
-            self.coserver.on_arrival()
-        self._wake.set()
-        return req.request_id
+    def training_dropout(self, lora: LoRAConfig) -> float:
+        return lora.dropout  # the engine's LoRA applies the co-server's seeded masks
 
-    def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._incoming) or self.scheduler.has_work()
+    def install_training_adapter(self, adapter: AdapterWeights) -> None:
+        self.runner.train_adapter = adapter  # not in the registry: no client can name it
 
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | None = None, adapter: str | None = None
-                 ) -> list[RequestOutput]:
-        ids = [self.add_request(p, params, adapter=adapter) for p in prompts]
-        while any(self._requests[i].status is not Status.FINISHED for i in ids):
-            self.step()
-        return [self._requests.pop(i).output() for i in ids]
+    def publish_adapter(self, adapter: AdapterWeights) -> None:
+        """Nothing to copy: the runner reads the adapter the backward publishes into."""
 
-    # ---- the step ---------------------------------------------------------------------------
-    def step(self) -> bool:
-        """Run one step; ``False`` when there was nothing to run."""
-        with self._lock:
-            self._wake.clear()  # arrivals from here on wake a yield early
-            while self._incoming:
-                self.scheduler.add(self._incoming.popleft())
+    def calibrate(self, lora: LoRAConfig, calibration: CalibrationConfig | None,
+                  latency: LatencyModelConfig | None, *, seed: int = 0,
+                  progress: bool = True) -> LatencyModel:
+        return calibrate(self, lora, calibration, latency, seed=seed, progress=progress)
+
+    # ---- the engine half --------------------------------------------------------------------
+    def _engine_submit(self, req: ClientRequest) -> None:
+        r = Request(req.request_id, list(req.prompt), req.params, req.adapter, req.arrival_s)
+        self._requests[r.request_id] = r
+        self.scheduler.add(r)
+
+    def _engine_abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req)
+            self.sampler.forget(request_id)
+
+    def _load_lora(self, name: str, path: str) -> None:
+        self.adapters.add(name, path)
+
+    def _unload_lora(self, name: str) -> None:
+        self.adapters.remove(name)
+
+    def _engine_step(self) -> bool:
         batch = self.scheduler.schedule()
-        co = self.coserver
-        now = time.monotonic()
         mode = self.runner.mode_for(batch)
+        co = self.coserver
         if co is None:
             if batch.is_empty:
                 return False
-            shape = step_shape(batch, mode)
             result, seconds = self._timed_run(batch, None)
-            if self.latency_model is not None:
-                self.latency_model.observe(shape, seconds)
-            self._record(shape, seconds, 0, False)
+            self._record(step_shape(batch, mode), seconds, 0, False)
             self._postprocess(batch, result)
             return True
-
-        view = scheduling_view(batch, self.scheduler, now, mode)
+        view = scheduling_view(batch, self.scheduler, time.monotonic(), mode)
         if not batch.is_empty:
             pause = co.yield_budget_s(view)
             if pause > 0:  # the SLOs have room: the backward gets the machine first
                 co.yield_to_backward(pause, self._wake)
                 view = scheduling_view(batch, self.scheduler, time.monotonic(), mode)
-        plan = co.plan(view)
-        if batch.is_empty and not plan.samples:
+        step = co.plan(view)
+        if batch.is_empty and not step.rows.num_samples:
+            co.observe(StepReport(step, step.plan.shape, 0.0))  # nothing ran
             return False
-        training = None
-        if plan.samples:
-            training = TrainingRows(
-                co.training_tokens(plan), lambda rows: co.training_lora(plan, rows),
-                co.capture, co.capture_mlp if co.buffer.config.saves_mlp else None,
-                co.should_abort)
-        co.begin_step(plan)
-        result, seconds = self._timed_run(batch, training)
-        co.observe(StepReport(plan, plan.shape, seconds, result.aborted, result.layers_run))
-        self._record(plan.shape, seconds, plan.num_ft_tokens, result.aborted)
+        result, seconds = self._timed_run(batch, step)
+        shape = step.plan.shape if step.rows.num_samples else step_shape(batch, result.mode)
+        co.observe(StepReport(step, shape, seconds, result.aborted, result.layers_run))
+        self._record(shape, seconds, step.rows.num_tokens, result.aborted)
         self._postprocess(batch, result)
         return True
 
-    def _timed_run(self, batch: ScheduledBatch, training: TrainingRows | None
+    def _timed_run(self, batch: ScheduledBatch, training: TrainingStep | None
                    ) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
         result = self.runner.run(batch, training)
         return result, time.perf_counter() - t0
-
-    def _record(self, shape: StepShape, seconds: float, ft_tokens: int, aborted: bool) -> None:
-        if self.record_steps:
-            self.step_log.append(StepRecord(time.monotonic(), shape, seconds, ft_tokens, aborted))
 
     def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> None:
         if result.aborted:
@@ -216,57 +179,20 @@ class LLMEngine:
                 continue
             req.output_token_ids.append(token)
             req.token_times_s.append(now)
-            self._check_stop(req, token)
-            if req.status is Status.FINISHED:
+            reason, text = finish_reason(req, token, self.eos_token_ids, self.max_model_len,
+                                         self.tokenizer)
+            if reason is not None:
+                self.scheduler.finish(req)
                 self.sampler.forget(req.request_id)
-            if req.callback is not None:
-                req.callback(req.output())
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        p, tok = req.params, self.tokenizer
-        reason = None
-        if not p.ignore_eos and token in self.eos_token_ids:
-            reason = "eos"
-        elif token in p.stop_token_ids:
-            reason = "stop"
-        elif p.stop:  # stop strings: decode what we have and look for them
-            text = tok.decode(req.output_token_ids, skip_special_tokens=True)
-            for s in p.stop:
-                cut = text.find(s)
-                if cut >= 0:
-                    req.text, reason = text[:cut], "stop"
-                    break
-        if reason is None and (len(req.output_token_ids) >= p.max_tokens
-                               or req.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is None:
-            return
-        if req.text is None and tok is not None:
-            req.text = tok.decode(req.output_token_ids, skip_special_tokens=True)
-        req.finish_reason = reason
-        self.scheduler.finish(req)
-
-    # ---- serving loop -----------------------------------------------------------------------
-    def run_loop(self, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
-        """Step until ``stop`` is set; between steps with nothing to run, wait for an arrival
-        (or, when co-serving, for the backward to free the buffer)."""
-        while not stop.is_set():
-            if not self.step():
-                if self.coserver is not None and self.coserver.backward_busy:
-                    self.coserver.idle(timeout_s=idle_wait_s)
-                else:
-                    self._wake.wait(idle_wait_s)
-                    self._wake.clear()
-
-    def pop_finished(self, request_id: str) -> RequestOutput:
-        with self._lock:
-            return self._requests.pop(request_id).output()
+                del self._requests[req.request_id]
+            self._emit(req.request_id, [token], reason, text)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen = Path(self.model_path) / "generation_config.json"
+        tok = self.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        gen = Path(self._model_path) / "generation_config.json"
         if gen.is_file():
             eos = json.loads(gen.read_text()).get("eos_token_id")
             ids.update([eos] if isinstance(eos, int) else (eos or []))

@@ -1,17 +1,17 @@
 """Runs one step: builds the flat batch, calls the model with the co-server's hooks, samples.
 
 Training rows come last, each sample contiguous and starting at position 0, on the reserved
-training adapter; the layer hook copies their slice of every layer's input to the co-server and
-asks, at every layer boundary, whether a training-only step must stop.
+training adapter; the layer hook asks, at every layer boundary, whether a training-only step
+must stop, then hands the training rows' slice of the layer's input to the step's capture.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.core.contract import TrainingStep
 from deltaserve.core.shape import ExecMode
 from deltaserve.hosts.native.adapters import AdapterRegistry
 from deltaserve.hosts.native.attention import (
@@ -23,26 +23,12 @@ from deltaserve.hosts.native.attention import (
 )
 from deltaserve.hosts.native.block_manager import BlockManager
 from deltaserve.hosts.native.cuda_graphs import DecodeGraphs
+from deltaserve.hosts.native.request import Request
 from deltaserve.hosts.native.sampler import Sampler
 from deltaserve.hosts.native.scheduler import ScheduledBatch
-from deltaserve.model.llama import ForwardContext, LlamaModel
-from deltaserve.model.lora import LoRAGroup
+from deltaserve.model.llama import ForwardContext, LlamaModel, MlpHook
+from deltaserve.model.lora import AdapterWeights, LoRAGroup, training_group
 from deltaserve.train.capture import StepAborted
-
-
-@dataclass(frozen=True)
-class TrainingRows:
-    """Fine-tuning samples riding in a step, and the co-server's hooks for them."""
-
-    token_ids: Sequence[Sequence[int]]
-    make_group: Callable[[slice], LoRAGroup]
-    capture: Callable[[int, torch.Tensor], None]
-    capture_mlp: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-    should_abort: Callable[[], bool] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -51,6 +37,20 @@ class StepResult:
     aborted: bool
     layers_run: int
     mode: ExecMode = ExecMode.EAGER
+
+
+@dataclass
+class _FlatBatch:
+    """The step's rows: decodes, then prefill chunks, then training rows."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    by_adapter: dict[str, list[int]] = field(default_factory=dict)
+    sample_rows: list[int] = field(default_factory=list)  # rows whose next token is sampled
+    sample_reqs: list[Request] = field(default_factory=list)
+    decodes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, ctx, blocks)
+    prefills: list[tuple[slice, int, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -62,8 +62,8 @@ class ModelRunner:
         self.adapters = adapters
         self.sampler = sampler
         self.device = model.weights.device
-        self.current_layer = -1  # the layer the running step is about to enter (for tests)
         self.graphs: DecodeGraphs | None = None  # set by the engine where graphs are captured
+        self.train_adapter: AdapterWeights | None = None  # the co-server's, once installed
 
     def mode_for(self, batch: ScheduledBatch) -> ExecMode:
         """How ``batch`` runs without fine-tuning rows: a graph when every item is a decode of a
@@ -77,95 +77,100 @@ class ModelRunner:
         longest = max(i.request.num_computed + 1 for i in batch.items)
         return ExecMode.EAGER if g.bucket(len(batch.items), longest) is None else ExecMode.GRAPH
 
-    def run(self, batch: ScheduledBatch, training: TrainingRows | None = None) -> StepResult:
-        """One step, finished on the device when it returns (so a caller's clock times it)."""
+    def run(self, batch: ScheduledBatch, training: TrainingStep | None = None,
+            train_adapter: AdapterWeights | None = None) -> StepResult:
+        """One step, finished on the device when it returns (so a caller's clock times it).
+        ``training``: the co-server's step when it carries rows; ``train_adapter``: the adapter
+        they run on (default: the installed training adapter)."""
+        if training is not None and not training.rows.num_samples:
+            training = None
         if training is None and self.mode_for(batch) is ExecMode.GRAPH:
             result = self._run_graph(batch)
         else:
-            result = self._run_eager(batch, training)
+            adapter = train_adapter or self.train_adapter
+            assert training is None or adapter is not None, "no training adapter installed"
+            result = self._run_eager(batch, training, adapter)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return result
 
-    def _run_eager(self, batch: ScheduledBatch, training: TrainingRows | None) -> StepResult:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        by_adapter: dict[str, list[int]] = {}
-        sample_rows: list[int] = []
-        sample_reqs = []
-        decode_ctx: list[tuple[int, int, list[int]]] = []  # (row, context, blocks)
-        prefills: list[tuple[slice, int, list[int]]] = []
+    def _flatten(self, batch: ScheduledBatch) -> _FlatBatch:
+        flat = _FlatBatch()
         bs = self.blocks.block_size
         for item in batch.items:
             req, n = item.request, item.num_tokens
-            start, row0 = req.num_computed, len(ids)
-            ids += req.all_token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += self.blocks.slots(req, start, start + n)
+            start, row0 = req.num_computed, len(flat.ids)
+            flat.ids += req.all_token_ids[start:start + n]
+            flat.positions += range(start, start + n)
+            flat.slots += self.blocks.slots(req, start, start + n)
             if req.adapter is not None:
-                by_adapter.setdefault(req.adapter, []).extend(range(row0, row0 + n))
+                flat.by_adapter.setdefault(req.adapter, []).extend(range(row0, row0 + n))
             if item.is_decode:
-                decode_ctx.append((row0, start + 1, req.block_table))
+                flat.decodes.append((row0, start + 1, req.block_table))
             else:
-                prefills.append((slice(row0, row0 + n), start,
-                                 req.block_table[: -(-(start + n) // bs)] if start else []))
+                flat.prefills.append((slice(row0, row0 + n), start,
+                                      req.block_table[: -(-(start + n) // bs)] if start else []))
             if item.completes_prompt:
-                sample_rows.append(row0 + n - 1)
-                sample_reqs.append(req)
-        n_inf = len(ids)
-        train_lengths: tuple[int, ...] = ()
-        if training is not None:
-            train_lengths = tuple(len(t) for t in training.token_ids)
-            for t in training.token_ids:
-                ids += t
-                positions += range(len(t))
+                flat.sample_rows.append(row0 + n - 1)
+                flat.sample_reqs.append(req)
+        return flat
 
+    def _context(self, flat: _FlatBatch, n_inf: int, training: TrainingStep | None,
+                 adapter: AdapterWeights | None) -> ForwardContext:
         dev = self.device
         meta = StepAttentionMeta(
             num_inference_rows=n_inf,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decodes=_decode_groups(decode_ctx, bs, dev),
+            slot_mapping=torch.tensor(flat.slots, dtype=torch.long, device=dev),
+            decodes=_decode_groups(flat.decodes, self.blocks.block_size, dev),
             prefills=tuple(PrefillChunk(rows, prefix, torch.tensor(ctx, dtype=torch.long,
                                                                    device=dev))
-                           for rows, prefix, ctx in prefills),
-            training_lengths=train_lengths)
-
+                           for rows, prefix, ctx in flat.prefills),
+            training_lengths=training.rows.lengths if training is not None else ())
         groups = [LoRAGroup(self.adapters.get(name), _rows(r, dev))
-                  for name, r in by_adapter.items()]
+                  for name, r in flat.by_adapter.items()]
+        mlp_hook: MlpHook | None = None
         if training is not None:
-            groups.append(training.make_group(slice(n_inf, len(ids))))
-        mlp_hook = None
-        if training is not None and training.capture_mlp is not None:
-            def mlp_hook(layer: int, gate: torch.Tensor, up: torch.Tensor) -> None:
-                training.capture_mlp(layer, gate[n_inf:], up[n_inf:])
-        ctx = ForwardContext(torch.tensor(positions, dtype=torch.long, device=dev),
-                             PagedAttention(self.cache, meta), tuple(groups), mlp_hook=mlp_hook)
+            assert adapter is not None
+            groups.append(training_group(adapter, slice(n_inf, len(flat.ids)), training.rows))
+            if training.saves_mlp:
+                def mlp_hook(layer: int, gate: torch.Tensor, up: torch.Tensor) -> None:
+                    training.capture_mlp(layer, gate[n_inf:], up[n_inf:])
+        return ForwardContext(torch.tensor(flat.positions, dtype=torch.long, device=dev),
+                              PagedAttention(self.cache, meta), tuple(groups), mlp_hook=mlp_hook)
+
+    def _run_eager(self, batch: ScheduledBatch, training: TrainingStep | None,
+                   adapter: AdapterWeights | None) -> StepResult:
+        flat = self._flatten(batch)
+        n_inf = len(flat.ids)
+        if training is not None:
+            flat.ids += training.rows.flat_token_ids()
+            flat.positions += training.rows.positions()
+        ctx = self._context(flat, n_inf, training, adapter)
 
         def hook(layer: int, h: torch.Tensor) -> None:
-            self.current_layer = layer
             if training is None:
                 return
-            if training.should_abort is not None and training.should_abort():
+            if training.should_abort():
                 raise StepAborted(layer)
             training.capture(layer, h[n_inf:])
 
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        input_ids = torch.tensor(flat.ids, dtype=torch.long, device=self.device)
         try:
             with torch.no_grad():
                 h = self.model.forward(input_ids, ctx, hook)
-                sampled: dict[str, int] = {}
-                if sample_rows:
-                    logits = self.model.logits(h[torch.tensor(sample_rows, device=dev)])
-                    tokens = self.sampler.sample(logits, [r.request_id for r in sample_reqs],
-                                                 [r.params for r in sample_reqs])
-                    sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens, strict=True)}
+                sampled = self._sample(h, flat)
         except StepAborted as e:
             return StepResult({}, True, e.layers_run)
-        finally:
-            self.current_layer = -1
         return StepResult(sampled, False, self.model.num_layers)
 
+    def _sample(self, h: torch.Tensor, flat: _FlatBatch) -> dict[str, int]:
+        if not flat.sample_rows:
+            return {}
+        logits = self.model.logits(h[torch.tensor(flat.sample_rows, device=self.device)])
+        reqs = flat.sample_reqs
+        tokens = self.sampler.sample(logits, [r.request_id for r in reqs],
+                                     [r.params for r in reqs])
+        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
 
     def _run_graph(self, batch: ScheduledBatch) -> StepResult:
         assert self.graphs is not None

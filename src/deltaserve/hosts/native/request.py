@@ -1,36 +1,12 @@
-"""Requests, their sampling parameters and what clients receive."""
+"""The engine's own state of a request (the client-visible half lives in
+:class:`deltaserve.hosts.base.ClientRequest`)."""
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from deltaserve.core.errors import require
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """``temperature`` 0 is greedy. ``seed`` makes sampling reproducible per request.
-    ``stop``: strings that end the output (excluded from it); needs the engine's tokenizer."""
-
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
-        require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
-                self.temperature, "must be a finite number >= 0")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-                "stop strings must be non-empty strings")
+from deltaserve.core.requests import SamplingParams
 
 
 class Status(Enum):
@@ -39,43 +15,22 @@ class Status(Enum):
     FINISHED = auto()
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What a client sees: after every new token (``finished`` False) and once at the end."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    text: str | None
-    finished: bool
-    finish_reason: str | None  # "length", "stop", "eos"
-    arrival_s: float
-    first_token_s: float | None
-    token_times_s: tuple[float, ...]
-
-
-TokenCallback = Callable[[RequestOutput], None]
-_ids = itertools.count()
-
-
 @dataclass(eq=False)
 class Request:
-    """One client request inside the engine. ``num_computed`` counts tokens whose KV is in the
-    cache; on preemption it drops to 0 and prompt + output so far are recomputed."""
+    """One request inside the engine. ``num_computed`` counts tokens whose KV is in the cache;
+    on preemption it drops to 0 and prompt + output so far are recomputed. ``token_times_s``:
+    when each output token came out (``time.monotonic()``), for the co-server's SLO view."""
 
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
-    callback: TokenCallback | None = None
     arrival_s: float = 0.0
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    text: str | None = None
     num_preemptions: int = 0
 
     @property
@@ -98,9 +53,3 @@ class Request:
     def in_prefill(self) -> bool:
         """Tokens other than the newest one still need a forward."""
         return self.num_computed < self.num_tokens - 1
-
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, tuple(self.prompt_token_ids),
-                             tuple(self.output_token_ids), self.text,
-                             self.status is Status.FINISHED, self.finish_reason, self.arrival_s,
-                             self.first_token_s, tuple(self.token_times_s))

@@ -6,7 +6,7 @@ import zlib
 
 import torch
 
-from deltaserve.hosts.native.request import SamplingParams
+from deltaserve.core.requests import SamplingParams
 
 
 class Sampler:

@@ -110,7 +110,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
-        req.status = Status.FINISHED
+        """Done or aborted: leave whichever queue it is in and free its blocks."""
         if req in self.running:
             self.running.remove(req)
+        elif req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
         self.blocks.free(req)

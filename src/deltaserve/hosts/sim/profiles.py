@@ -246,6 +246,9 @@ def load_profiles(entry: ProfileEntry, data_dir: str | Path | None = None,
     ar_path = root / "network" / net / "all_reduce.csv"
     by_tp = {}
     for tp in entry.tp_degrees:
+        # the geometric-mean rule holds at the log-midpoint of the measured degrees only
+        if tp not in measured and not (tp == 2 and {1, 4} <= set(measured)):
+            raise InputError("tp", tp, "no attention rows and no measured neighbours")
         attn = measured.get(tp) or _interpolate(measured[1], measured[4])
         source = "measured" if tp in measured else "geometric mean of TP1 and TP4"
         mc = mlp_curves[tp]

@@ -1,0 +1,121 @@
+"""Which (GPU, model) profiles exist, and where the profile data lives.
+
+The data are Vidur's public profiles (``shared/data/vidur``), loaded by path and never copied into
+the repository. A plan or bench for a GPU or model without an entry here is refused with the list
+of what exists, before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltaserve.core.errors import InputError
+
+DATA_DIR_ENV = "DELTASERVE_SHARED_DATA"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the oracle needs beyond the profiles (from the model's config.json)."""
+
+    num_layers: int
+    hidden: int
+    ffn: int
+    vocab: int
+    num_q_heads: int
+    num_kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_q_heads
+
+    def kv_bytes_per_token_per_layer(self, tp: int, bytes_per_elem: int = 2) -> int:
+        """K and V of one cached token in one layer on one GPU (its share of the KV heads)."""
+        return 2 * (self.num_kv_heads // tp) * self.head_dim * bytes_per_elem
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One (GPU, model) pair with measured profiles.
+
+    ``tp_degrees``: tensor-parallel degrees the oracle serves. ``attention_tp_measured``: those
+    with measured attention rows; every other degree's attention is derived from TP1 by splitting
+    the KV heads (see ``attention.py``). ``networks``: collective profiles that pair with this GPU,
+    the first being the default.
+    """
+
+    gpu: str
+    model: str
+    compute_subdir: str
+    shape: ModelShape
+    tp_degrees: tuple[int, ...]
+    attention_tp_measured: tuple[int, ...]
+    networks: tuple[str, ...]
+
+    @property
+    def default_network(self) -> str:
+        return self.networks[0]
+
+
+# Meta-Llama-3-8B's config.json: 32 layers, hidden 4096, intermediate 14336, vocab 128256,
+# 32 query heads, 8 KV heads. The profile CSVs carry the same shape columns (checked on load).
+LLAMA_3_8B = ModelShape(num_layers=32, hidden=4096, ffn=14336, vocab=128256, num_q_heads=32,
+                        num_kv_heads=8)
+
+# a100_pairwise_nvlink first: it is Vidur's default network for its A100 SKU (a node of 4 A100s
+# bridged by NVLink in pairs, where the compute profiles were taken); a100_dgx (NVSwitch) is the
+# alternative for an SXM/HGX machine. TP8 has MLP rows but no attention rows and needs a second
+# node on the pairwise machine, so it is not offered.
+CATALOGUE: dict[tuple[str, str], ProfileEntry] = {
+    ("a100", "llama-3-8b"): ProfileEntry(
+        gpu="a100", model="llama-3-8b",
+        compute_subdir="compute/a100/meta-llama/Meta-Llama-3-8B",
+        shape=LLAMA_3_8B, tp_degrees=(1, 2, 4), attention_tp_measured=(1, 4),
+        networks=("a100_pairwise_nvlink", "a100_dgx")),
+}
+
+
+def available_profiles() -> list[str]:
+    return [f"{gpu}/{model}" for gpu, model in sorted(CATALOGUE)]
+
+
+def lookup_profile(gpu: str, model: str) -> ProfileEntry:
+    """The catalogue entry, or a clear refusal naming what exists."""
+    entry = CATALOGUE.get((gpu.lower(), model.lower()))
+    if entry is None:
+        raise InputError("gpu/model", f"{gpu}/{model}",
+                         f"no measured profile; available: {', '.join(available_profiles())}")
+    return entry
+
+
+def _beside_checkout() -> Path:
+    # src/deltaserve/hosts/sim/catalogue.py -> the checkout root is parents[4]
+    return Path(__file__).resolve().parents[4].parent / "shared" / "data" / "vidur"
+
+
+def vidur_dir_candidates() -> list[Path]:
+    """Where the data is looked for when no directory is given, in order."""
+    env = os.environ.get(DATA_DIR_ENV)
+    found = [Path(env) / "vidur"] if env else []
+    return [*found, _beside_checkout(), Path("/work/shared/data/vidur")]
+
+
+def resolve_vidur_dir(explicit: str | Path | None = None) -> Path:
+    """The Vidur data directory: ``explicit`` if given (it must exist), else the first existing of
+    ``$DELTASERVE_SHARED_DATA/vidur``, ``../shared/data/vidur`` beside the checkout and
+    ``/work/shared/data/vidur``."""
+    if explicit is not None:
+        path = Path(explicit)
+        if not path.is_dir():
+            raise InputError("vidur_data_dir", str(path), "is not a directory")
+        return path
+    candidates = vidur_dir_candidates()
+    for path in candidates:
+        if path.is_dir():
+            return path
+    raise InputError("vidur_data_dir", None,
+                     "no Vidur profile directory found; looked in "
+                     + ", ".join(map(str, candidates))
+                     + f" (pass a directory or set ${DATA_DIR_ENV})")

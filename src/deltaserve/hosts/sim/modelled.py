@@ -1,0 +1,165 @@
+"""What the GPU profiles lack, modelled from stated sources: one typed set of defaults.
+
+Each field of :class:`ModelledParams` carries its unit, its source and a sensitivity range in
+its metadata (``docs/sim.md`` shows them as one table; ``python -m deltaserve.hosts.sim.sanity``
+prints it). None is fitted to the DeltaServe paper's results: those are what the simulation is
+compared against.
+
+Quantities that follow from the profiles themselves are not parameters here: the effective HBM
+bandwidth (from the measured decode-attention slope), per-layer forward times (the oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from deltaserve.core.errors import require, require_positive
+from deltaserve.hosts.sim.catalogue import ModelShape
+
+FP16_BYTES = 2
+# AdamW touches, per trainable fp32 parameter: param, grad, exp_avg, exp_avg_sq read (4 × 4 B) and
+# param, exp_avg, exp_avg_sq written (3 × 4 B).
+ADAMW_BYTES_PER_PARAM = 28
+
+
+def _param(default: float, unit: str, source: str, low: float, high: float) -> Any:
+    return field(default=default, metadata={"unit": unit, "source": source, "range": (low, high)})
+
+
+@dataclass(frozen=True)
+class ModelledParams:
+    """Defaults of every modelled (not profiled) effect. See the module doc."""
+
+    launch_overhead_s: float = _param(
+        4.7e-6, "s per kernel, eager",
+        "vLLM PR #1440 (Llama-2-7B, TP1, batch 1): 100 decode steps take 1.05 s with CUDA graphs "
+        "and 1.2 s eager, i.e. 1.5 ms per step = 47 µs per layer over ~10 kernels; 'order of "
+        "microseconds per launch' (Modal GPU glossary, CUDA Graph)", 2e-6, 10e-6)
+    max_graph_batch: int = _param(
+        512, "decode rows",
+        "vLLM's default CUDA-graph capture list: 1, 2, 4, then multiples of 8 up to 512; larger "
+        "decode batches run eager", 256, 512)
+    lora_layer_fixed_s: float = _param(
+        36e-6, "s per layer with LoRA rows",
+        "Punica (Chen et al., MLSys'24): SGMV LoRA adds ~2 ms per token to a 7B model, i.e. "
+        "62.5 µs per layer for LoRA on all 7 projections; × 4/7 for the attention projections "
+        "(q, k, v, o) trained here", 18e-6, 62.5e-6)
+    backward_to_forward: float = _param(
+        1.07, "× layer forward",
+        "LLMStation (He et al., USENIX ATC'25), as quoted in issue #13: LoRA backward ≈ 1.07 × "
+        "forward. Cross-check: frozen base weights need only dX = dY·Wᵀ (one GEMM per linear, "
+        "as in the forward); attention backward costs ~2.5× its forward (5 vs 2 matmuls)",
+        1.0, 1.5)
+    adamw_launches: int = _param(
+        4, "kernels per optimizer step",
+        "PyTorch AdamW(fused=True): multi-tensor kernels over the adapter's tensors; the time is "
+        "bandwidth: 28 B per fp32 parameter at the profile's measured HBM bandwidth", 1, 32)
+    decode_slowdown_under_backward: float = _param(
+        0.20, "fraction added to a decode step",
+        "NVIDIA MPS co-location of two LLM servers on one A100-80GB (Pebble case study, "
+        "Qwen3-4B, vLLM): median TPOT +19.5 % vs a dedicated GPU", 0.05, 0.60)
+    backward_share_under_decode: float = _param(
+        0.5, "fraction of standalone backward rate",
+        "same study: two co-located servers keep 92.5 % of one dedicated server's throughput "
+        "together (≈ 0.46 each); a fair share of 0.5. No direct measurement of a LoRA backward "
+        "beside decode exists", 0.25, 0.75)
+    grant_poll_s: float = _param(
+        10e-6, "s per layer boundary",
+        "the backward synchronises its stream and reads the shared grant flag between layers: "
+        "one host-device round trip, of the order of a kernel launch", 5e-6, 100e-6)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            low, high = f.metadata["range"]
+            value = getattr(self, f.name)
+            require(value >= 0, f.name, value, "must be >= 0")
+            # a value outside its documented range is allowed (sensitivity sweeps go there) but
+            # never negative; the range is what docs/sim.md reports as tested.
+            require(low <= high, f.name, (low, high), "range must be ordered")
+        require(0 < self.backward_share_under_decode <= 1, "backward_share_under_decode",
+                self.backward_share_under_decode, "must be in (0, 1]")
+        require_positive("max_graph_batch", self.max_graph_batch)
+
+    @classmethod
+    def table(cls) -> list[tuple[str, float, str, tuple[float, float], str]]:
+        """(name, default, unit, sensitivity range, source) for every field."""
+        return [(f.name, f.default, f.metadata["unit"], f.metadata["range"],
+                 f.metadata["source"]) for f in fields(cls)]
+
+
+def graph_capture_size(num_decode: int, max_graph_batch: int) -> int | None:
+    """The captured batch a decode step of ``num_decode`` rows replays (padded up), or None when
+    it is larger than every captured size and runs eager."""
+    if num_decode > max_graph_batch:
+        return None
+    if num_decode <= 4:
+        return 1 if num_decode <= 1 else (2 if num_decode == 2 else 4)
+    return -(-num_decode // 8) * 8
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The trained adapter: rank and target projections (DESIGN: r16 on the attention
+    projections). ``targets`` name Llama's projections."""
+
+    rank: int = 16
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        require_positive("rank", self.rank)
+        unknown = set(self.targets) - {"q_proj", "k_proj", "v_proj", "o_proj"}
+        require(not unknown and bool(self.targets), "targets", self.targets,
+                "must be a non-empty subset of q_proj, k_proj, v_proj, o_proj")
+
+    def dims(self, shape: ModelShape) -> list[tuple[int, int]]:
+        """(in, out) features of each targeted projection."""
+        kv = shape.num_kv_heads * shape.head_dim
+        table = {"q_proj": (shape.hidden, shape.hidden), "k_proj": (shape.hidden, kv),
+                 "v_proj": (shape.hidden, kv), "o_proj": (shape.hidden, shape.hidden)}
+        return [table[t] for t in self.targets]
+
+    def num_params(self, shape: ModelShape) -> int:
+        """Trainable parameters: A (r × in) and B (out × r) per target, every layer."""
+        per_layer = sum(self.rank * (d_in + d_out) for d_in, d_out in self.dims(shape))
+        return per_layer * shape.num_layers
+
+    def activation_bytes_per_token(self, shape: ModelShape, tp: int) -> int:
+        """HBM bytes one LoRA row moves per layer in the shrink/expand kernels: the input row read
+        once per distinct input (q/k/v share theirs, o has its own) and each target's output
+        shard read and written to add the update."""
+        inputs = (any(t != "o_proj" for t in self.targets)) + ("o_proj" in self.targets)
+        outputs = sum(d_out for _, d_out in self.dims(shape)) // tp
+        return FP16_BYTES * (inputs * shape.hidden + 2 * outputs)
+
+
+def lora_layer_seconds(params: ModelledParams, lora: LoraConfig, shape: ModelShape, tp: int,
+                       lora_rows: int, hbm_bytes_per_s: float) -> float:
+    """LoRA forward cost of one layer: the kernels' fixed cost plus the rows' HBM traffic."""
+    if lora_rows == 0:
+        return 0.0
+    traffic = lora_rows * lora.activation_bytes_per_token(shape, tp)
+    return params.lora_layer_fixed_s + traffic / hbm_bytes_per_s
+
+
+def capture_layer_seconds(shape: ModelShape, ft_rows: int, hbm_bytes_per_s: float) -> float:
+    """Copying the training rows' layer input into the activation buffer: read and write
+    ``rows × hidden`` fp16 values at HBM bandwidth (its one launch is counted by the oracle)."""
+    return 2 * ft_rows * shape.hidden * FP16_BYTES / hbm_bytes_per_s
+
+
+def adamw_seconds(params: ModelledParams, lora: LoraConfig, shape: ModelShape,
+                  hbm_bytes_per_s: float) -> float:
+    """One AdamW step over the adapter: bandwidth-bound, plus its kernel launches."""
+    traffic = lora.num_params(shape) * ADAMW_BYTES_PER_PARAM
+    return traffic / hbm_bytes_per_s + params.adamw_launches * params.launch_overhead_s
+
+
+def overlapped_decode_seconds(params: ModelledParams, decode_step_s: float) -> float:
+    """A decode step that runs while the backward runs beside it on the same GPU."""
+    return decode_step_s * (1.0 + params.decode_slowdown_under_backward)
+
+
+def backward_progress_seconds(params: ModelledParams, overlap_s: float) -> float:
+    """Standalone-backward seconds of work done during ``overlap_s`` of overlap with decode."""
+    return overlap_s * params.backward_share_under_decode

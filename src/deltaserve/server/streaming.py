@@ -52,17 +52,21 @@ class GenerationStream:
 
     async def final(self, request: Request) -> RequestOutput:
         """Wait for the finished output, aborting the request if the client goes away."""
+        check_at = self._loop.time() + DISCONNECT_CHECK_S
         try:
             while True:
                 try:
-                    out = await asyncio.wait_for(self._queue.get(), DISCONNECT_CHECK_S)
+                    wait_s = max(0.0, check_at - self._loop.time())
+                    out = await asyncio.wait_for(self._queue.get(), wait_s)
+                    if out.finished:
+                        self.finished = True
+                        return out
                 except TimeoutError:
+                    pass
+                if self._loop.time() >= check_at:  # on a clock: tokens may never pause
                     if await request.is_disconnected():
-                        raise ClientGone(self.request_id) from None
-                    continue
-                if out.finished:
-                    self.finished = True
-                    return out
+                        raise ClientGone(self.request_id)
+                    check_at = self._loop.time() + DISCONNECT_CHECK_S
         finally:
             if not self.finished:
                 self.backend.abort_request(self.request_id)

@@ -40,7 +40,7 @@ PAGE = r"""<!doctype html>
 <script>
 "use strict";
 const NS = "http://www.w3.org/2000/svg";
-const W = 960, H = 380, L = 64, R = 64, T = 16, B = 36;
+const W = 960, H = 380, L = 64, R = 64, T = 28, B = 36;
 const key = new URLSearchParams(location.hash.slice(1)).get("key");
 const svg = document.getElementById("chart");
 const statusLine = document.getElementById("status");
@@ -81,7 +81,8 @@ function draw(data) {
   el("line", {x1: L, x2: W - R, y1: H - B, y2: H - B, class: "axis"});
   el("text", {x: L, y: H - 8, class: "label"}, (t0).toFixed(0) + " s");
   el("text", {x: W - R, y: H - 8, "text-anchor": "end", class: "label"}, (t1).toFixed(0) + " s");
-  el("text", {x: 8, y: T + 8, class: "label"}, "tokens/s");
+  el("text", {x: L, y: 14, "text-anchor": "middle", class: "label"}, "tokens/s");
+  el("text", {x: W - R, y: 14, "text-anchor": "middle", class: "label"}, "SLO");
   el("line", {x1: L, x2: W - R, y1: ySlo(1), y2: ySlo(1), class: "slo-target"});
   if (!pts.length) return;
   const band = (lo, hi) => {

@@ -197,6 +197,8 @@ class FakeRunner:
         self._thread: threading.Thread | None = None
         self._pause = threading.Event()
         self._cancel = threading.Event()
+        self.gate = threading.Event()  # steps wait while it is clear (a test holds a job)
+        self.gate.set()
 
     def start(self, spec: TrainingJobSpec) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -254,6 +256,8 @@ class FakeRunner:
                 self._events.put(PausedEvent(step))
                 return
             time.sleep(self.step_delay_s)
+            if not self.gate.wait(0.01):
+                continue
             batch = batches[step % len(batches)]
             step += 1
             tokens += sum(batch)

@@ -152,14 +152,15 @@ def test_a_file_that_tokenizes_to_nothing_fails_the_job(live):
 
 def test_queue_is_fifo_and_a_queued_job_cancels(live):
     client = live.client()
-    live.runner.step_delay_s = 0.05
+    live.runner.gate.clear()  # the first job runs but makes no progress until released
     f = upload(client, jsonl(alpaca_records(40)))
     jobs = [client.fine_tuning.jobs.create(model=BASE_MODEL, training_file=f.id,
                                            hyperparameters={"batch_size": 2}) for _ in range(3)]
     wait_status(client, jobs[0].id, ("running",))
-    assert client.fine_tuning.jobs.retrieve(jobs[1].id).status == "queued"
+    wait_status(client, jobs[1].id, ("queued",))  # validated, waiting behind the first
     cancelled = client.fine_tuning.jobs.cancel(jobs[1].id)
     assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+    live.runner.gate.set()
     for j in (jobs[0], jobs[2]):
         assert wait_status(client, j.id, TERMINAL).status == "succeeded"
     assert [s.job_id for s in live.runner.starts] == [jobs[0].id, jobs[2].id]
@@ -180,6 +181,7 @@ def test_cancel_a_running_job(live):
                                          hyperparameters={"batch_size": 1})
     wait_status(client, job.id, ("running",))
     wait_for(lambda: client.fine_tuning.jobs.checkpoints.list(job.id).data, 30, "a checkpoint")
+    live.runner.gate.clear()  # hold it mid-job, whatever the machine's pace
     job = client.fine_tuning.jobs.cancel(job.id)
     assert job.status == "cancelled" and job.fine_tuned_model is None
     assert job.fine_tuned_model is None
@@ -195,6 +197,7 @@ def test_pause_and_resume_a_running_job(live):
                                          hyperparameters={"batch_size": 1})
     wait_for(lambda: [e for e in all_events(client, job.id) if e.type == "metrics"], 30,
              "a first step")
+    live.runner.gate.clear()  # hold it mid-job, whatever the machine's pace
     paused = client.fine_tuning.jobs.pause(job.id)
     assert paused.status == "paused"
     newest = client.fine_tuning.jobs.checkpoints.list(job.id).data[0]
@@ -203,6 +206,7 @@ def test_pause_and_resume_a_running_job(live):
     assert newest.step_number == steps_at_pause[-1]
     with pytest.raises(openai.BadRequestError):
         client.fine_tuning.jobs.pause(job.id)  # already paused
+    live.runner.gate.set()
     resumed = client.fine_tuning.jobs.resume(job.id)
     assert resumed.status in ("queued", "running")
     done = wait_status(client, job.id, TERMINAL)

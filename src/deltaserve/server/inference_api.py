@@ -21,6 +21,7 @@ from deltaserve.server.errors import APIError, from_input_error
 from deltaserve.server.model_registry import ServedModel
 from deltaserve.server.prompts import chat_prompt_ids, completion_prompt_ids
 from deltaserve.server.records import new_id
+from deltaserve.server.schemas_ft import ListObject
 from deltaserve.server.schemas_inference import (
     AssistantMessage,
     ChatChoice,
@@ -53,9 +54,9 @@ def _card(m: ServedModel, base: str) -> ModelCard:
 
 
 @router.get("/models")
-async def list_models(svc: Svc) -> dict:
+async def list_models(svc: Svc) -> ListObject[ModelCard]:
     base = svc.backend.model_name
-    return {"object": "list", "data": [_card(m, base).model_dump() for m in svc.models.all()]}
+    return ListObject(data=[_card(m, base) for m in svc.models.all()])
 
 
 @router.get("/models/{model:path}")

@@ -90,13 +90,11 @@ class JobService:
         try:
             data = load_job_data(self.data_dir, self.backend, job)
         except JobDataError as e:
-            if self.store.get_job(job.id).status is JobStatus.VALIDATING_FILES:
-                self.store.set_failed(job.id, e.error)
-                self.sink.message(job.id, f"Job failed: {e.error.message}", level="error")
+            self._fail(job, e.error)
             return
         except Exception as e:
             log.exception("job %s: validation failed", job.id)
-            self.store.set_failed(job.id, JobError("internal_error", f"validation failed: {e}"))
+            self._fail(job, JobError("internal_error", f"validation failed: {e}"))
             return
         reported, training = resolve(job.hyperparameters, data.train)
         self.store.set_resolved(job.id, reported, training)
@@ -104,6 +102,11 @@ class JobService:
         if self.store.set_status(job.id, JobStatus.QUEUED, expect=(JobStatus.VALIDATING_FILES,)):
             self.sink.message(job.id, "Files validated, moving job to queued state", state=True)
             self.driver.wake()
+
+    def _fail(self, job: JobRecord, error: JobError) -> None:
+        # only a job still validating: one cancelled meanwhile stays cancelled
+        if self.store.set_failed(job.id, error, expect=(JobStatus.VALIDATING_FILES,)):
+            self.sink.message(job.id, f"Job failed: {error.message}", level="error")
 
     # ---- control ----------------------------------------------------------------------------
     async def command(self, kind: str, job_id: str) -> JobRecord:

@@ -171,9 +171,16 @@ class Store:
     def set_trained_tokens(self, job_id: str, tokens: int) -> None:
         self.db.execute("UPDATE jobs SET trained_tokens = ? WHERE id = ?", (tokens, job_id))
 
-    def set_failed(self, job_id: str, error: JobError) -> None:
-        self.db.execute("UPDATE jobs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
-                        (JobStatus.FAILED.value, _json(error), now_s(), job_id))
+    def set_failed(self, job_id: str, error: JobError, *, expect: tuple[JobStatus, ...] = ()
+                   ) -> bool:
+        """Fail a job (if it is in one of ``expect``; any, if empty); returns whether it did."""
+        with self.db.transaction() as c:
+            row = c.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None or (expect and JobStatus(row[0]) not in expect):
+                return False
+            c.execute("UPDATE jobs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
+                      (JobStatus.FAILED.value, _json(error), now_s(), job_id))
+        return True
 
     def set_succeeded(self, job_id: str, fine_tuned_model: str, adapter: AdapterRecord,
                       trained_tokens: int | None) -> None:

@@ -10,7 +10,7 @@ import socket
 import openai
 import pytest
 
-from tests.server.fakes import BASE_MODEL
+from tests.server.fakes import BASE_MODEL, write_fake_adapter
 from tests.server.live import API_KEY, wait_for
 from tests.server.test_jobs import PROMPT, prompt_ids
 
@@ -72,8 +72,6 @@ def test_stop_string_ends_the_output_unsent(live):
 
 
 def test_unknown_model_is_a_404_and_the_training_adapter_is_unreachable(live, tmp_path):
-    from tests.server.fakes import write_fake_adapter
-
     client = live.client()
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=PROMPT)

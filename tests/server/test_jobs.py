@@ -9,11 +9,14 @@ import openai
 import pytest
 
 from deltaserve.server.hyperparameters import BASE_LEARNING_RATE, DEFAULT_BATCH_TOKENS
+from deltaserve.server.protocols import FailedEvent, StepEvent, StepMetrics
 from tests.server.fakes import BASE_MODEL, FakeRunner, fake_loss
 from tests.server.live import (
     TERMINAL,
     alpaca_records,
     jsonl,
+    server_config,
+    start_server,
     upload,
     wait_for,
     wait_status,
@@ -225,3 +228,34 @@ def test_pause_and_resume_a_running_job(live):
 def newest_runner_dir(live, job_id, ckpt):
     return live.config.data_dir / "jobs" / job_id / "checkpoints" / \
         f"checkpoint-{ckpt.step_number:06d}"
+
+
+class FailingRunner(FakeRunner):
+    """Fails its first job after two steps, as a backward that raised would."""
+
+    def _train(self, spec):
+        if len(self.starts) == 1:
+            for step in (1, 2):
+                self._events.put(StepEvent(StepMetrics(step, fake_loss(step), 0.5, step)))
+            self._events.put(FailedEvent("backward_failed", "the backward raised: boom"))
+            return
+        super()._train(spec)
+
+
+def test_a_failed_job_leaves_inference_and_the_queue_running(tmp_path):
+    server = start_server(server_config(tmp_path / "data"), runner=FailingRunner())
+    try:
+        client = server.client()
+        f = upload(client, jsonl(alpaca_records(20)))
+        first, second = (client.fine_tuning.jobs.create(model=BASE_MODEL, training_file=f.id)
+                         for _ in range(2))
+        failed = wait_status(client, first.id, TERMINAL)
+        assert failed.status == "failed" and failed.fine_tuned_model is None
+        assert (failed.error.code, failed.error.message) == ("backward_failed",
+                                                             "the backward raised: boom")
+        assert wait_status(client, second.id, TERMINAL).status == "succeeded"
+        assert chat(client, BASE_MODEL)  # inference went on throughout
+        assert any(e.level == "error" for e in all_events(client, first.id))
+    finally:
+        server.stop()
+        server.backend.close()

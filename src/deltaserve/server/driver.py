@@ -120,8 +120,11 @@ class JobDriver:
                 return
             try:
                 self._execute(cmd)
-            except APIError as e:
-                cmd.done.set_exception(e)
+            except Exception as e:  # the client gets the error; the driver goes on
+                if not isinstance(e, APIError):
+                    log.exception("job %s: %s failed", cmd.job_id, cmd.kind)
+                if not cmd.done.done():
+                    cmd.done.set_exception(e)
 
     def _execute(self, cmd: Command) -> None:
         active = self._active

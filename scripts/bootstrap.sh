@@ -41,6 +41,13 @@ fi
 spec="."
 if [ ${#extras[@]} -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
 pip_q -e "$spec"
+# The dashboard test drives Debian's headless Chromium; best effort (root and apt needed), and
+# the test skips, saying why, where it is missing.
+if [[ " ${extras[*]-} " == *" test "* ]] && ! command -v chromium >/dev/null \
+    && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+    >/dev/null 2>&1 || echo "bootstrap.sh: chromium not installed; the dashboard test will skip" >&2
+fi
 python - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__

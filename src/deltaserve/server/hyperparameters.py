@@ -1,0 +1,94 @@
+"""OpenAI's fine-tuning hyperparameters, and how they map onto a co-serving job.
+
+=============================  ==========================================================
+OpenAI                          DeltaServe
+=============================  ==========================================================
+``n_epochs``                    epochs over the training file; ``auto``: the co-server's
+                                default (``CoServeConfig.num_epochs``)
+``learning_rate_multiplier``    × the project's LoRA learning rate (``OptimizerConfig.lr``);
+                                ``auto``: 1
+``batch_size`` (examples)       the backward batch is measured in tokens: ``batch_size`` ×
+                                the training file's mean sample length (tokens, rounded up);
+                                ``auto``: the co-server's default backward batch
+                                (``CoServeConfig.backward_batch_tokens``), reported back as
+                                the number of mean-length samples it holds
+=============================  ==========================================================
+
+Like OpenAI, a job reports the resolved numbers in place of ``auto`` once its files are
+validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from deltaserve.core.data import TrainingSample
+from deltaserve.core.errors import require
+from deltaserve.server.protocols import TrainingHyperparameters
+from deltaserve.train.coserve_config import CoServeConfig
+from deltaserve.train.optim import OptimizerConfig
+
+Auto = Literal["auto"]
+AUTO: Auto = "auto"
+MAX_EPOCHS = 50  # OpenAI's bound
+
+
+def _default(cls: type, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+DEFAULT_EPOCHS: int = _default(CoServeConfig, "num_epochs")
+DEFAULT_BATCH_TOKENS: int = _default(CoServeConfig, "backward_batch_tokens")
+BASE_LEARNING_RATE: float = _default(OptimizerConfig, "lr")
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """OpenAI's three knobs as a job reports them (``auto`` until resolved)."""
+
+    n_epochs: int | Auto = AUTO
+    learning_rate_multiplier: float | Auto = AUTO
+    batch_size: int | Auto = AUTO
+
+    def __post_init__(self) -> None:
+        for name, kind in (("n_epochs", int), ("learning_rate_multiplier", float),
+                           ("batch_size", int)):
+            value = getattr(self, name)
+            if value == AUTO:
+                continue
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            require(ok, f"hyperparameters.{name}", value, "must be 'auto' or a number")
+            require(kind is float or float(value).is_integer(), f"hyperparameters.{name}",
+                    value, "must be 'auto' or an integer")
+            require(value > 0 and math.isfinite(value), f"hyperparameters.{name}", value,
+                    "must be > 0")
+        require(self.n_epochs == AUTO or self.n_epochs <= MAX_EPOCHS, "hyperparameters.n_epochs",
+                self.n_epochs, f"must be <= {MAX_EPOCHS}")
+
+    def as_dict(self) -> dict[str, int | float | str]:
+        return dataclasses.asdict(self)
+
+
+def mean_sample_tokens(samples: Sequence[TrainingSample]) -> int:
+    return math.ceil(sum(s.num_tokens for s in samples) / len(samples))
+
+
+def resolve(requested: Hyperparameters, samples: Sequence[TrainingSample]
+            ) -> tuple[Hyperparameters, TrainingHyperparameters]:
+    """The numbers reported back to the client, and what the runner trains with."""
+    mean_tokens = mean_sample_tokens(samples)
+    epochs = DEFAULT_EPOCHS if requested.n_epochs == AUTO else int(requested.n_epochs)
+    mult = 1.0 if requested.learning_rate_multiplier == AUTO else float(
+        requested.learning_rate_multiplier)
+    if requested.batch_size == AUTO:
+        batch_tokens = DEFAULT_BATCH_TOKENS
+        batch_size = max(1, round(batch_tokens / mean_tokens))
+    else:
+        batch_size = int(requested.batch_size)
+        batch_tokens = batch_size * mean_tokens
+    reported = Hyperparameters(epochs, mult, batch_size)
+    return reported, TrainingHyperparameters(epochs, mult * BASE_LEARNING_RATE, batch_tokens)

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("sglang", reason="needs the SGLang venv (.venv-sglang: bash "
                     "scripts/bootstrap.sh --sglang)")
 
-from deltaserve.hosts.sglang import compat  # noqa: E402
+from deltaserve.hosts.sglang import compat
 
 pytestmark = pytest.mark.sglang
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
@@ -36,7 +36,7 @@ def _prepare(lens: list[int], weight_indices: list[int]):
 
 @needs_no_cuda
 def test_sglang_lora_batch_preparation_fails_without_the_shim():
-    with pytest.raises(RuntimeError, match="NVIDIA driver|accelerator|CUDA"):
+    with pytest.raises(RuntimeError, match=r"NVIDIA driver|accelerator|CUDA"):
         _prepare([3, 2, 4], [0, 0, 1])
 
 

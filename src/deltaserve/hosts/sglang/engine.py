@@ -185,6 +185,7 @@ class InProcessEngine:
         deadline = time.monotonic() + _OUTPUT_WAIT_S
         while self._clients - set(self._out.finished) and time.monotonic() < deadline:
             self._drain(0.05)
+        self._drain(0.0)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  lora_name: str | None = None) -> list[list[int]]:
@@ -192,11 +193,18 @@ class InProcessEngine:
         ids = [self.add_request(p, max_new_tokens=max_new_tokens, lora_name=lora_name)
                for p in prompts]
         self.run_until_idle()
-        missing = [r for r in ids if r not in self._out.finished]
-        if missing:
-            raise RuntimeError(f"SGLang finished without an output for {missing}")
-        self._clients.difference_update(ids)
-        return [self._out.finished.pop(r).token_ids for r in ids]
+        return [self.take(r) for r in ids]
+
+    def take(self, request_id: str) -> list[int]:
+        """The generated token ids of finished client request ``request_id`` (waits up to
+        :data:`_OUTPUT_WAIT_S` for SGLang's message)."""
+        deadline = time.monotonic() + _OUTPUT_WAIT_S
+        while request_id not in self._out.finished and time.monotonic() < deadline:
+            self._drain(0.05)
+        if request_id not in self._out.finished:
+            raise RuntimeError(f"SGLang sent no finished output for {request_id!r}")
+        self._clients.discard(request_id)
+        return self._out.finished.pop(request_id).token_ids
 
     @property
     def streamed_request_ids(self) -> list[str]:

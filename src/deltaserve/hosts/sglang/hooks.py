@@ -18,9 +18,12 @@ scheduler computes the training rows' indices from that order before the forward
 Interrupting: raising inside SGLang's forward would kill the engine, and a hook cannot skip a
 module. With ``interrupt`` on, each decoder layer's ``forward`` is wrapped on the module instance
 (no SGLang code changes; documented in docs/sglang.md as the one instance-attribute wrapper):
-once the co-server asks a training-only step to stop, every remaining layer returns a zero
-contribution instead of computing, so the step ends after the layers already run plus the final
-norm, logits and sampling of rows whose one token is thrown away. Only hidden requests are in
+once the co-server asks a training-only step to stop, every remaining layer returns its input
+untouched instead of computing. SGLang's residual stream checks that a layer's output is the
+handle the previous layer recorded (``residual/stream.py``, ``check``): passing that same object
+on keeps it consistent, and the final norm then completes the stream as it stood after the last
+layer run. The step ends after the layers already run plus the final norm, logits and sampling of
+rows whose one token is thrown away. Only hidden requests are in
 such a step, so nothing a client sees changes.
 """
 
@@ -121,8 +124,8 @@ class ForwardHooks:
 
     def _bypassable(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         def layer_forward(positions, hidden_states, forward_batch, *args, **kwargs):
-            if self._bypass:  # an interrupted training-only step: add nothing to the stream
-                return torch.zeros_like(hidden_states)
+            if self._bypass:  # an interrupted training-only step: pass the stream through
+                return hidden_states
             return forward(positions, hidden_states, forward_batch, *args, **kwargs)
 
         return layer_forward

@@ -33,6 +33,7 @@ from sglang.srt.managers.scheduler import Scheduler
 from deltaserve.core.errors import InputError
 from deltaserve.hosts.sglang.hidden import HiddenRequests, streamer_class
 from deltaserve.hosts.sglang.hooks import ForwardHooks, row_index
+from deltaserve.hosts.sglang.publish import AdapterPublisher
 from deltaserve.hosts.sglang.records import Capture, StepTiming, TrainingRows
 from deltaserve.hosts.sglang.version import check_version
 
@@ -79,6 +80,11 @@ class CoServingScheduler(Scheduler):
         rows = TrainingRows(ids, tuple(len(s) for s in samples), capture, should_abort)
         self.deltaserve_pending = rows
         return rows
+
+    def deltaserve_publisher(self, lora_name: str) -> AdapterPublisher:
+        """The publisher into the slot of the loaded adapter ``lora_name`` (load it pinned)."""
+        return AdapterPublisher(self.tp_worker.model_runner.lora_manager,
+                                self.deltaserve_lora_id(lora_name))
 
     # ---- one step ---------------------------------------------------------------------------
     def run_batch(self, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -23,6 +23,8 @@ planned.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +38,8 @@ from deltaserve.hosts.sglang.hooks import ForwardHooks, row_index
 from deltaserve.hosts.sglang.publish import AdapterPublisher
 from deltaserve.hosts.sglang.records import Capture, StepTiming, TrainingRows
 from deltaserve.hosts.sglang.version import check_version
+
+logger = logging.getLogger("deltaserve.sglang")
 
 
 class CoServingScheduler(Scheduler):
@@ -54,6 +58,8 @@ class CoServingScheduler(Scheduler):
         self.deltaserve_pending: TrainingRows | None = None
         self.deltaserve_steps: list[StepTiming] = []
         self.deltaserve_on_step: Callable[[StepTiming], None] | None = None
+        logger.info("DeltaServe: SGLang runs DeltaServe's scheduler in pid %d (%d decoder "
+                    "layers hooked)", os.getpid(), self.deltaserve_hooks.num_layers)
 
     def get_output_streamer_class(self) -> type:
         return streamer_class(self.deltaserve_hidden)

@@ -41,6 +41,22 @@ def _train(engine, samples, **kwargs):
     return rows, rec
 
 
+class Streamed:
+    """Every request id the engine's output messages carry (what would reach clients)."""
+
+    def __init__(self, engine):
+        self.ids: list[str] = []
+        engine.on_output = self.ids.append
+
+
+class Steps:
+    """Every step the scheduler reports."""
+
+    def __init__(self, engine):
+        self.all: list = []
+        engine.scheduler.deltaserve_on_step = self.all.append
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
@@ -76,7 +92,7 @@ def test_capture_equals_transformers_hidden_states_and_stays_hidden(engine, smol
     engine.scheduler.deltaserve_publisher("train").publish(weights)
     first = [*PROMPTS[2], 2783, 314]
     samples = [first, PROMPTS[0]]
-    streamed = len(engine.streamed_request_ids)
+    streamed = Streamed(engine)
     rows, rec = _train(engine, samples)
     engine.run_until_idle()
     assert rows.valid and rows.aborted_at is None
@@ -94,12 +110,13 @@ def test_capture_equals_transformers_hidden_states_and_stays_hidden(engine, smol
     rows2, rec2 = _train(engine, [[*first, 28, 30]])
     engine.run_until_idle()
     assert rows2.valid and rec2.layers[0].shape[0] == len(first) + 2
-    assert engine.streamed_request_ids[streamed:] == []  # nothing went towards a client
+    assert streamed.ids == []  # nothing went towards a client
     assert engine.scheduler.deltaserve_hidden.ids == set()  # finished and forgotten
 
 
 def test_hidden_requests_beside_a_client_change_nothing_it_sees(engine, hf_model):
     sched = engine.scheduler
+    streamed = Streamed(engine)
     client = engine.add_request(PROMPTS[1], max_new_tokens=NEW_TOKENS)
     rows, rec = _train(engine, [PROMPTS[0], PROMPTS[2]])
     engine.step()  # one prefill batch: the client's prompt and both samples
@@ -108,16 +125,15 @@ def test_hidden_requests_beside_a_client_change_nothing_it_sees(engine, hf_model
     engine.run_until_idle()
     out = engine.take(client)
     assert out == hf_greedy(hf_model, PROMPTS[1], NEW_TOKENS)
-    assert [r for r in engine.streamed_request_ids if r in rows.req_ids] == []
+    assert set(streamed.ids) == {client}
     assert not sched.deltaserve_hidden.live()
 
 
 def test_every_forward_is_timed_with_its_mode_and_shape(engine):
-    sched = engine.scheduler
-    before = len(sched.deltaserve_steps)
+    recorded = Steps(engine)
     fresh = [[4211, 17, 905, 63], [77, 3120, 8, 16, 5000]]  # no cached prefix, BOS included
     engine.generate(fresh, 2)
-    steps = sched.deltaserve_steps[before:]
+    steps = recorded.all
     assert [s.forward_mode for s in steps] == ["EXTEND", "DECODE"]
     assert [s.num_tokens for s in steps] == [len(fresh[0]) + len(fresh[1]), 2]
     for s in steps:
@@ -137,7 +153,7 @@ def test_training_only_step_is_cut_at_a_layer_boundary_and_serving_goes_on(engin
     engine.run_until_idle()
     assert rows.abortable and rows.aborted_at == 5
     assert sorted(rec.layers) == [0, 1, 2, 3, 4]
-    step = engine.scheduler.deltaserve_steps[-1]
+    step = engine.scheduler.deltaserve_last_step
     assert step.forward.aborted and step.forward.layers_run == 5
     assert asked == [0, 1, 2, 3, 4, 5]  # asked once per layer boundary, none after
     rows0, rec0 = _train(engine, [PROMPTS[2]], should_abort=lambda: True)  # before layer 0

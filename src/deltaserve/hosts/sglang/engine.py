@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +90,6 @@ class Finished:
 @dataclass
 class _Outputs:
     finished: dict[str, Finished] = field(default_factory=dict)
-    seen: list[str] = field(default_factory=list)  # every request id SGLang streamed
 
 
 class InProcessEngine:
@@ -122,6 +121,9 @@ class InProcessEngine:
         self.scheduler = CoServingScheduler(args, self.port_args)
         self._out = _Outputs()
         self._clients: set[str] = set()  # client requests added and not yet returned
+        # called with the id of every request in every output message SGLang sends towards
+        # clients (the point where a server would stream tokens)
+        self.on_output: Callable[[str], None] | None = None
         self._ids = 0
 
     # ---- SGLang's objects -------------------------------------------------------------------
@@ -206,11 +208,6 @@ class InProcessEngine:
         self._clients.discard(request_id)
         return self._out.finished.pop(request_id).token_ids
 
-    @property
-    def streamed_request_ids(self) -> list[str]:
-        """Every request id the scheduler sent towards a client, in order."""
-        return list(self._out.seen)
-
     def _drain(self, wait_s: float) -> None:
         import zmq
         from sglang.srt.managers.io_struct import sock_recv
@@ -222,7 +219,8 @@ class InProcessEngine:
                 return
             msg = sock_recv(self._outputs_socket, flags=zmq.NOBLOCK)
             for i, rid in enumerate(msg.rids or []):
-                self._out.seen.append(rid)
+                if self.on_output is not None:
+                    self.on_output(rid)
                 reason = msg.finished_reasons[i]
                 if reason is not None:
                     self._out.finished[rid] = Finished(rid, list(msg.output_ids[i]), reason)

@@ -56,7 +56,7 @@ class CoServingScheduler(Scheduler):
                                              synchronize=runner.device.startswith("cuda"))
         self.deltaserve_hooks.install()
         self.deltaserve_pending: TrainingRows | None = None
-        self.deltaserve_steps: list[StepTiming] = []
+        self.deltaserve_last_step: StepTiming | None = None
         self.deltaserve_on_step: Callable[[StepTiming], None] | None = None
         logger.info("DeltaServe: SGLang runs DeltaServe's scheduler in pid %d (%d decoder "
                     "layers hooked)", os.getpid(), self.deltaserve_hooks.num_layers)
@@ -104,7 +104,7 @@ class CoServingScheduler(Scheduler):
         num_tokens = (batch.extend_num_tokens or 0) if batch.forward_mode.is_extend() \
             else len(batch.reqs)
         step = StepTiming(seconds, batch.forward_mode.name, num_tokens, fwd)
-        self.deltaserve_steps.append(step)
+        self.deltaserve_last_step = step
         if self.deltaserve_on_step is not None:
             self.deltaserve_on_step(step)
         return result

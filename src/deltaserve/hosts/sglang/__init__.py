@@ -1,0 +1,36 @@
+"""The SGLang host: DeltaServe inside an unmodified SGLang 0.5.23, through its official
+extension points (see ``docs/sglang.md``).
+
+* ``sglang.srt.plugins`` entry point :func:`~deltaserve.hosts.sglang.plugin.register`: the
+  ``pin_memory`` shim (:mod:`.compat`) where no CUDA device exists, and DeltaServe's scheduler
+  subclass when DeltaServe drives SGLang.
+* :class:`~deltaserve.hosts.sglang.scheduler.CoServingScheduler`: SGLang's ``Scheduler`` with
+  hidden requests (training samples as prefill-only requests on the reserved adapter, never
+  streamed to a client) and DeltaServe's forward hooks on its model runner.
+* :class:`~deltaserve.hosts.sglang.engine.InProcessEngine`: that scheduler and its model runner
+  built in the caller's process and stepped one batch at a time.
+
+Importing this package imports neither SGLang nor torch; its names load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "InProcessEngine": "deltaserve.hosts.sglang.engine",
+    "EngineConfig": "deltaserve.hosts.sglang.engine",
+    "import_sglang": "deltaserve.hosts.sglang.version",
+    "SUPPORTED_VERSIONS": "deltaserve.hosts.sglang.version",
+    "UnsupportedSGLangVersion": "deltaserve.hosts.sglang.version",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,43 @@
+"""DeltaServe's ``sglang.srt.plugins`` entry point.
+
+SGLang calls :func:`register` once in each of its processes (``load_plugins``: the process that
+builds the ``Engine`` or the HTTP server, each scheduler process, the detokenizer) before it
+builds the scheduler, and then applies the hooks registered in its ``HookRegistry``. It logs and
+swallows what a plugin raises, so a failure here must not be relied on to stop SGLang.
+
+Installed beside any SGLang, the plugin does two things:
+
+* always, where no CUDA device exists: the ``pin_memory`` shim of :mod:`.compat`, without which
+  SGLang's LoRA code cannot run on such a machine at all (with or without DeltaServe);
+* only when DeltaServe drives this SGLang (``DELTASERVE_SGLANG`` set, inherited by SGLang's
+  processes): checks the SGLang release and replaces SGLang's ``Scheduler`` with
+  :class:`~deltaserve.hosts.sglang.scheduler.CoServingScheduler` (a ``REPLACE`` hook on the
+  class, the form ``hook_registry.py`` documents for scheduler subclasses), so the scheduler
+  process SGLang spawns runs DeltaServe's subclass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from deltaserve.hosts.sglang.compat import register_pin_memory_shim
+from deltaserve.hosts.sglang.version import ACTIVE_ENV, check_version
+
+logger = logging.getLogger("deltaserve.sglang")
+
+SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler"
+
+
+def register() -> None:
+    register_pin_memory_shim()
+    if not os.environ.get(ACTIVE_ENV):
+        return
+    import sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    check_version(str(sglang.__version__))
+    from deltaserve.hosts.sglang.scheduler import CoServingScheduler
+
+    HookRegistry.register(SCHEDULER_TARGET, CoServingScheduler, HookType.REPLACE)
+    logger.debug("DeltaServe SGLang plugin: SGLang %s, pid %d", sglang.__version__, os.getpid())

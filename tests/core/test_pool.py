@@ -44,6 +44,23 @@ def test_protocol_violations():
         pool.claim([7])
 
 
+def test_commit_and_release_reject_duplicate_ids():
+    pool = SamplePool([1, 2, 3])
+    pool.claim([0, 1])
+    with pytest.raises(PoolStateError, match="duplicate"):
+        pool.commit([0, 0])
+    with pytest.raises(PoolStateError, match="duplicate"):
+        pool.release([1, 1])
+    # a rejected call changes nothing: both samples are still claimed exactly once
+    p = pool.progress()
+    assert (p.samples_claimed, p.samples_committed, p.samples_committed_total) == (2, 0, 0)
+    assert [sid for sid, _ in pool.iter_available()] == [2]
+    pool.commit([0])
+    pool.release([1])
+    p = pool.progress()
+    assert (p.samples_claimed, p.samples_committed, len(pool)) == (0, 1, 2)
+
+
 def test_empty_dataset_is_an_input_error():
     with pytest.raises(InputError, match="no samples"):
         SamplePool([])

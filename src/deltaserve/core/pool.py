@@ -150,17 +150,13 @@ class SamplePool:
 
     def release(self, ids: Iterable[int]) -> None:
         """Return claimed samples to the pool (aborted step, lost backward)."""
-        ids = list(ids)
-        for sid in ids:
-            self._expect(sid, _State.CLAIMED, "release")
+        ids = self._claimed_ids(ids, "release")
         self._num_claimed -= len(ids)
         self._fill(ids, shuffle=False)
 
     def commit(self, ids: Iterable[int]) -> None:
         """Retire claimed samples whose gradients reached the adapter."""
-        ids = list(ids)
-        for sid in ids:
-            self._expect(sid, _State.CLAIMED, "commit")
+        ids = self._claimed_ids(ids, "commit")
         for sid in ids:
             self._state[sid] = _State.COMMITTED
             self._tokens_total += self._lengths[sid]
@@ -204,6 +200,16 @@ class SamplePool:
             self._fill([i for i in range(len(self._lengths)) if i not in committed])
 
     # ---- internals --------------------------------------------------------------------------
+    def _claimed_ids(self, ids: Iterable[int], action: str) -> list[int]:
+        """``ids`` as a list, checked before any change: each claimed, none twice (a duplicate
+        would count one sample twice and leave it claimed)."""
+        ids = list(ids)
+        for sid in ids:
+            self._expect(sid, _State.CLAIMED, action)
+        if len(set(ids)) != len(ids):
+            raise PoolStateError(f"{action}: duplicate sample ids in {ids}")
+        return ids
+
     def _expect(self, sid: int, state: _State, action: str) -> None:
         if not 0 <= sid < len(self._lengths):
             raise PoolStateError(f"{action}: sample {sid} is not in the pool")

@@ -18,6 +18,8 @@ from enum import IntEnum
 
 from deltaserve.core.errors import require
 
+_STATE_COUNTS = ("epoch", "num_samples", "tokens_committed_total", "samples_committed_total")
+
 
 class PoolStateError(RuntimeError):
     """A claim/commit/release that breaks the exactly-once protocol (a bug in the caller)."""
@@ -180,7 +182,29 @@ class SamplePool:
             "samples_committed_total": self._samples_total,
         }
 
+    @staticmethod
+    def check_state(state: object) -> None:
+        """Raise :class:`InputError` unless ``state`` has the shape :meth:`state_dict` gives (a
+        checkpoint's copy may be damaged), naming the first bad field."""
+        require(isinstance(state, dict), "pool", state, "must be an object")
+        for key in _STATE_COUNTS:
+            v = state.get(key)
+            require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"pool.{key}", v,
+                    "must be an integer >= 0")
+        v = state.get("seed")
+        require(isinstance(v, int) and not isinstance(v, bool), "pool.seed", v,
+                "must be an integer")
+        v = state.get("num_epochs")
+        require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                "pool.num_epochs", v, "must be an integer >= 1 or null")
+        ids = state.get("committed")
+        n = state["num_samples"]
+        require(isinstance(ids, list) and all(isinstance(i, int) and 0 <= i < n for i in ids)
+                and len(set(ids)) == len(ids), "pool.committed", ids,
+                f"must be distinct sample ids in [0, {n})")
+
     def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         require(state["num_samples"] == len(self._lengths), "num_samples", state["num_samples"],
                 f"the checkpoint was made for a dataset of {state['num_samples']} samples, "
                 f"this one has {len(self._lengths)}")

@@ -42,13 +42,7 @@ from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights, DropoutSegment, LoRAGroup
 from deltaserve.train.backward_process import BackwardProcess, WorkerLost
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
-from deltaserve.train.checkpoint import (
-    TrainingLog,
-    dataset_fingerprint,
-    find_latest,
-    read_checkpoint,
-    write_checkpoint,
-)
+from deltaserve.train.checkpoint import CheckpointStore, TrainingLog, dataset_fingerprint
 from deltaserve.train.coserve_config import Commit, CoServeConfig, CoServeStats
 from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, JobSample
 from deltaserve.train.optim import OptimizerState
@@ -101,8 +95,12 @@ class CoServer:
             f"{config.checkpoint.root}/train_log.jsonl" if config.checkpoint.root else None)
         self.optimizer_steps = 0
         self.resumed_from: str | None = None
-        if config.checkpoint.root and config.checkpoint.resume:
-            self._resume(config.checkpoint.root)
+        self.checkpoints = (CheckpointStore(config.checkpoint.root, config.checkpoint.keep)
+                            if config.checkpoint.root else None)
+        if self.checkpoints is not None:
+            self.checkpoints.clean_stale()  # what a crash mid-save left
+            if config.checkpoint.resume:
+                self._resume(self.checkpoints)
 
         if device.type == "cpu":
             model.weights.share_memory_()
@@ -312,19 +310,18 @@ class CoServer:
     # ---- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> str | None:
         """Write the adapter, optimizer and pool progress as of the last committed step."""
-        ck = self.config.checkpoint
-        if not ck.root:
+        if self.checkpoints is None:
             return None
-        path = write_checkpoint(ck.root, self.optimizer_steps, self.adapter,
-                                self.optimizer_state, self.pool.state_dict(), self.base_model,
-                                self.fingerprint, ck.keep)
+        path = self.checkpoints.save(self.optimizer_steps, self.adapter, self.optimizer_state,
+                                     self.pool.state_dict(), self.base_model, self.fingerprint)
         return str(path)
 
-    def _resume(self, root: str) -> None:
-        latest = find_latest(root)
-        if latest is None:
+    def _resume(self, store: CheckpointStore) -> None:
+        resumed = store.resume(self.model.config)
+        if resumed is None:
             return
-        ck = read_checkpoint(latest, self.model.config)
+        ck = resumed.checkpoint
+        latest = ck.path
         require(ck.trainer_state["dataset_fingerprint"] == self.fingerprint, "resume",
                 str(latest), "the checkpoint was made on another dataset or tokenization")
         require(ck.adapter.config == self.config.lora, "resume", str(latest),

@@ -132,3 +132,29 @@ def test_real_alpaca_records(shared_data):
     assert e.value.field == "output" and e.value.record is not None and e.value.line == 1
     convs, bad = read_conversations(DataConfig(path, skip_bad_rows=True))
     assert len(convs) == 4998 and len(bad) == 2
+
+
+def test_line_numbers_count_newlines_only(tmp_path, word_tokenizer):
+    """JSON strings may hold U+2028 raw; it must not shift the line of a later bad row."""
+    rows = [json.dumps({"instruction": "Say\u2028hi", "output": "hello"}, ensure_ascii=False),
+            "{not json", json.dumps(ALPACA[1])]
+    path = write(tmp_path, "u.jsonl", "\n".join(rows))
+    with pytest.raises(InputError) as e:
+        load_dataset(DataConfig(path), word_tokenizer)
+    assert e.value.line == 2
+
+
+def test_utf8_bom_is_accepted(tmp_path, word_tokenizer):
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ALPACA).encode())
+    _, report = load_dataset(DataConfig(str(path)), word_tokenizer)
+    assert report.num_samples == 2 and report.num_bad_rows == 0
+
+
+def test_report_summary_names_every_count(tmp_path, word_tokenizer):
+    rows = [json.dumps(ALPACA[0]), "{bad", json.dumps(ALPACA[1])]
+    path = write(tmp_path, "r.jsonl", "\n".join(rows))
+    _, report = load_dataset(DataConfig(path, skip_bad_rows=True, max_tokens=64), word_tokenizer)
+    assert report.summary() == (f"2 samples ({report.num_tokens} tokens) from 3 rows; 1 bad rows "
+                                "skipped (2); 0 dropped and 0 truncated as longer than 64 "
+                                "tokens; 0 dropped with no response tokens")

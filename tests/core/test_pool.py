@@ -44,6 +44,23 @@ def test_protocol_violations():
         pool.claim([7])
 
 
+def test_commit_and_release_reject_duplicate_ids():
+    pool = SamplePool([1, 2, 3])
+    pool.claim([0, 1])
+    with pytest.raises(PoolStateError, match="duplicate"):
+        pool.commit([0, 0])
+    with pytest.raises(PoolStateError, match="duplicate"):
+        pool.release([1, 1])
+    # a rejected call changes nothing: both samples are still claimed exactly once
+    p = pool.progress()
+    assert (p.samples_claimed, p.samples_committed, p.samples_committed_total) == (2, 0, 0)
+    assert [sid for sid, _ in pool.iter_available()] == [2]
+    pool.commit([0])
+    pool.release([1])
+    p = pool.progress()
+    assert (p.samples_claimed, p.samples_committed, len(pool)) == (0, 1, 2)
+
+
 def test_empty_dataset_is_an_input_error():
     with pytest.raises(InputError, match="no samples"):
         SamplePool([])
@@ -113,3 +130,19 @@ def test_claim_first_takes_the_iteration_prefix():
     assert [sid for sid, _ in pool.iter_available()] == order[4:]
     assert pool.claim_first(10) == order[4:] and pool.is_empty
     assert pool.progress().samples_claimed == 7
+
+
+@pytest.mark.parametrize("key,value", [
+    ("committed", [0, 0]), ("committed", [5]), ("committed", "0"), ("epoch", -1),
+    ("num_epochs", 0), ("seed", "x"), ("samples_committed_total", None), ("num_samples", 2.0)])
+def test_a_damaged_saved_state_is_an_input_error(key, value):
+    pool = SamplePool([1, 2, 3])
+    pool.claim([0])
+    pool.commit([0])
+    state = {**pool.state_dict(), key: value}
+    with pytest.raises(InputError) as e:
+        SamplePool([1, 2, 3]).load_state_dict(state)
+    assert e.value.field == f"pool.{key}"
+    with pytest.raises(InputError):
+        SamplePool.check_state([state])
+    SamplePool.check_state(pool.state_dict())  # the undamaged one passes

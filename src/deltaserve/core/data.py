@@ -1,42 +1,34 @@
-"""Fine-tuning data: read Alpaca or chat records, tokenize with the chat template, mask prompts.
+"""Fine-tuning data: read Alpaca, chat or ShareGPT records (:mod:`deltaserve.core.records`),
+tokenize with the chat template, mask prompts.
 
 Formats:
 * Alpaca, as a JSON array or JSONL: ``{"instruction", "input" (optional), "output"}``;
 * chat JSONL: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``,
-  ending with an assistant turn.
+  ending with an assistant turn;
+* ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}``
+  (speakers "user"/"assistant" too, an optional top-level ``system``), ending with a gpt turn.
+
+``auto`` picks a record's format by its keys (``messages``, ``conversations``, else Alpaca). Files
+are JSONL or one JSON array, UTF-8.
 
 The loss covers assistant tokens only (labels of every other token are ``IGNORE_INDEX``, as in
 Hugging Face). The tokenizer is duck-typed (``apply_chat_template``, ``__call__``), so this module
-needs no torch. A malformed row raises :class:`InputError` with its line number, or, with
+needs no torch. A malformed row (bytes that are not UTF-8, broken JSON, a record of the wrong
+shape; in a JSON array, one element) raises :class:`InputError` with its line number, or, with
 ``skip_bad_rows``, is skipped and counted in the :class:`DatasetReport`.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 from deltaserve.core.errors import InputError, require, require_choice
+from deltaserve.core.records import Conversation, Message, iter_rows, to_conversation
+from deltaserve.core.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
-class Conversation:
-    messages: tuple[Message, ...]
-    line: int  # where the record starts in its file
-
-
 @dataclass(frozen=True)
 class TrainingSample:
     """One tokenized sample. ``labels[i]`` is the target of position i before the causal shift
@@ -68,13 +60,16 @@ class DataConfig:
     system_prompt: str | None = None
 
     def __post_init__(self) -> None:
-        require_choice("format", self.format, ("auto", "alpaca", "chat"))
+        require_choice("format", self.format, ("auto", "alpaca", "chat", "sharegpt"))
         require_choice("overlength", self.overlength, ("drop", "truncate"))
         require(self.max_tokens >= 2, "max_tokens", self.max_tokens, "must be >= 2")
 
 
 @dataclass(frozen=True)
 class DatasetReport:
+    """What loading did to a dataset; :meth:`summary` is the line a host prints, so no row is
+    dropped without the operator seeing it."""
+
     num_rows: int
     num_bad_rows: int
     bad_rows: tuple[int, ...]  # first few: line numbers (JSONL) or record numbers (JSON array)
@@ -83,87 +78,16 @@ class DatasetReport:
     num_truncated: int
     num_dropped_no_loss: int
     num_tokens: int
+    max_tokens: int  # the limit the over-long samples were measured against
 
-
-class Tokenizer(Protocol):
-    chat_template: Any
-    eos_token: Any
-
-    def apply_chat_template(self, conversation: list[dict], **kwargs: Any) -> Any: ...
-
-    def __call__(self, text: str, **kwargs: Any) -> Any: ...
-
-
-# ---- reading ---------------------------------------------------------------------------------
-def _iter_json_array(text: str) -> Iterator[tuple[int, int, Any]]:
-    """``(line, record, element)`` of a top-level JSON array, keeping each element's line."""
-    dec = json.JSONDecoder()
-    i = text.index("[") + 1
-    line = text.count("\n", 0, i) + 1
-    n = len(text)
-    record = 0
-    while True:
-        while i < n and text[i] in " \t\r\n,":
-            line += text[i] == "\n"
-            i += 1
-        if i >= n:
-            raise InputError("json", "<eof>", "the array is not closed", line=line)
-        if text[i] == "]":
-            return
-        try:
-            obj, end = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            raise InputError("json", text[i:i + 40], f"not valid JSON: {e.msg}", line=line) from e
-        record += 1
-        yield line, record, obj
-        line += text.count("\n", i, end)
-        i = end
-
-
-def _iter_rows(path: Path) -> Iterator[tuple[int, int | None, Any | InputError]]:
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        yield from _iter_json_array(text)
-        return
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            yield lineno, None, json.loads(raw)
-        except json.JSONDecodeError as e:
-            yield lineno, None, InputError("json", raw[:40], f"not valid JSON: {e.msg}",
-                                           line=lineno)
-
-
-def _to_conversation(obj: Any, fmt: str, line: int, system: str | None) -> Conversation:
-    if not isinstance(obj, dict):
-        raise InputError("record", obj, "must be a JSON object", line=line)
-    if fmt == "auto":
-        fmt = "chat" if "messages" in obj else "alpaca"
-    msgs: list[Message] = [Message("system", system)] if system else []
-    if fmt == "alpaca":
-        for key in ("instruction", "output"):
-            if not isinstance(obj.get(key), str) or not obj[key].strip():
-                raise InputError(key, obj.get(key), "must be a non-empty string", line=line)
-        extra = obj.get("input", "")
-        if not isinstance(extra, str):
-            raise InputError("input", extra, "must be a string", line=line)
-        prompt = obj["instruction"] + (f"\n\n{extra}" if extra.strip() else "")
-        msgs += [Message("user", prompt), Message("assistant", obj["output"])]
-    else:
-        raw = obj.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise InputError("messages", raw, "must be a non-empty list", line=line)
-        for m in raw:
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise InputError("messages.role", m, f"role must be one of {ROLES}", line=line)
-            if not isinstance(m.get("content"), str):
-                raise InputError("messages.content", m, "content must be a string", line=line)
-            msgs.append(Message(m["role"], m["content"]))
-        if msgs[-1].role != "assistant":
-            raise InputError("messages", msgs[-1].role, "the last turn must be the assistant's",
-                             line=line)
-    return Conversation(tuple(msgs), line)
+    def summary(self) -> str:
+        where = ", ".join(map(str, self.bad_rows)) + (", ..." if self.num_bad_rows > len(
+            self.bad_rows) else "")
+        return (f"{self.num_samples} samples ({self.num_tokens} tokens) from {self.num_rows} "
+                f"rows; {self.num_bad_rows} bad rows skipped" + (f" ({where})" if where else "")
+                + f"; {self.num_dropped_overlength} dropped and {self.num_truncated} truncated "
+                f"as longer than {self.max_tokens} tokens; {self.num_dropped_no_loss} dropped "
+                "with no response tokens")
 
 
 def read_conversations(cfg: DataConfig) -> tuple[list[Conversation], list[int]]:
@@ -173,11 +97,11 @@ def read_conversations(cfg: DataConfig) -> tuple[list[Conversation], list[int]]:
         raise InputError("dataset", str(path), "no such file")
     good: list[Conversation] = []
     bad: list[int] = []
-    for line, record, obj in _iter_rows(path):
+    for line, record, obj in iter_rows(path):
         try:
             if isinstance(obj, InputError):
                 raise obj
-            good.append(_to_conversation(obj, cfg.format, line, cfg.system_prompt))
+            good.append(to_conversation(obj, cfg.format, line, cfg.system_prompt))
         except InputError as e:
             if not cfg.skip_bad_rows:
                 raise InputError(e.field, e.value, e.reason + " (use skip_bad_rows to skip it)",
@@ -254,7 +178,7 @@ def tokenize(conversations: Sequence[Conversation], tokenizer: Tokenizer, cfg: D
                          f"({dropped} dropped as too long, {no_loss} with no response tokens)")
     report = DatasetReport(len(conversations) + num_bad_rows, num_bad_rows, tuple(bad_rows[:10]),
                            len(samples), dropped, truncated, no_loss,
-                           sum(s.num_tokens for s in samples))
+                           sum(s.num_tokens for s in samples), cfg.max_tokens)
     return samples, report
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from deltaserve.core.errors import InputError, require, require_choice
+from deltaserve.core.latency_file import read_document
 from deltaserve.core.nnls import nnls
 from deltaserve.core.shape import ExecMode, StepShape
 
@@ -48,6 +49,8 @@ TERMS: dict[Equation, tuple[str, ...]] = {
 _KEYS = tuple((eq, mode) for eq in Equation for mode in ExecMode)
 FORMAT = "deltaserve.latency_model/2"
 FORMAT_V1 = "deltaserve.latency_model/1"  # before the ζ term; still loads
+_LAYOUTS = {FORMAT: {eq.value: TERMS[eq] for eq in Equation},
+            FORMAT_V1: {eq.value: tuple(t for t in TERMS[eq] if t != "zeta") for eq in Equation}}
 
 
 def equation_of(shape: StepShape) -> Equation:
@@ -338,37 +341,33 @@ class LatencyModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LatencyModel:
+        """Read a file written by :meth:`save` (format 2, or format 1). Every field is checked
+        first (:func:`deltaserve.core.latency_file.read_document`): a bad file is an
+        :class:`InputError` naming the field and its value."""
+        doc = read_document(path, _LAYOUTS, tuple(ExecMode))
         try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError("latency_model_path", str(path), f"cannot read: {e}") from e
-        require(doc.get("format") in (FORMAT, FORMAT_V1), "latency_model_path", str(path),
-                "not a DeltaServe latency-model file")
-        if doc["format"] == FORMAT_V1:
-            doc = _upgrade_v1(doc)
-        model = cls(LatencyModelConfig(**doc["config"]))
-        for entry in doc["keys"]:
-            key = (Equation(entry["equation"]), ExecMode(entry["mode"]))
-            if entry["coefficients"] is not None:
-                model._coef[key] = np.array(entry["coefficients"], dtype=float)
-            model._margin[key] = float(entry["margin"])
-            model._anchors[key] = [(tuple(r[:-1]), r[-1]) for r in entry["anchors"]]
-            for r in entry["online"]:
+            model = cls(LatencyModelConfig(**doc.config))
+        except TypeError as e:  # an unknown setting, or a value of the wrong type
+            raise InputError("config", doc.config, f"not a latency-model config in {path}: {e}"
+                             ) from e
+        for entry in doc.entries:
+            key = (Equation(entry.equation), ExecMode(entry.mode))
+            coef, anchors, online = entry.coefficients, entry.anchors, entry.online
+            if doc.format == FORMAT_V1 and key[0] is Equation.MIXED:
+                coef = None if coef is None else [*coef, 0.0]
+                anchors, online = map(_upgrade_v1_rows, (anchors, online))
+            model._coef[key] = None if coef is None else np.array(coef, dtype=float)
+            model._margin[key] = entry.margin
+            model._anchors[key] = [(tuple(r[:-1]), r[-1]) for r in anchors]
+            for r in online:
                 model._online[key].push(tuple(r[:-1]), r[-1])
         return model
 
 
-def _upgrade_v1(doc: dict) -> dict:
+def _upgrade_v1_rows(rows: list[list[float]]) -> list[list[float]]:
     """Format 1 had no ζ term: its Equation I rows gain the feature (recomputable from T_in + B_d
     and T_ft) and its coefficients a ζ of 0, so a saved calibration predicts as it did."""
-    for entry in doc["keys"]:
-        if entry["equation"] != Equation.MIXED.value:
-            continue
-        if entry["coefficients"] is not None:
-            entry["coefficients"] = [*entry["coefficients"], 0.0]
-        for name in ("anchors", "online"):
-            entry[name] = [[*r[:-1], r[1] if r[2] > 0 else 0.0, r[-1]] for r in entry[name]]
-    return doc
+    return [[*r[:-1], r[1] if r[2] > 0 else 0.0, r[-1]] for r in rows]
 
 
 def fit_from(observations: Iterable[tuple[StepShape, float]],

@@ -18,6 +18,8 @@ from enum import IntEnum
 
 from deltaserve.core.errors import require
 
+_STATE_COUNTS = ("epoch", "num_samples", "tokens_committed_total", "samples_committed_total")
+
 
 class PoolStateError(RuntimeError):
     """A claim/commit/release that breaks the exactly-once protocol (a bug in the caller)."""
@@ -150,17 +152,13 @@ class SamplePool:
 
     def release(self, ids: Iterable[int]) -> None:
         """Return claimed samples to the pool (aborted step, lost backward)."""
-        ids = list(ids)
-        for sid in ids:
-            self._expect(sid, _State.CLAIMED, "release")
+        ids = self._claimed_ids(ids, "release")
         self._num_claimed -= len(ids)
         self._fill(ids, shuffle=False)
 
     def commit(self, ids: Iterable[int]) -> None:
         """Retire claimed samples whose gradients reached the adapter."""
-        ids = list(ids)
-        for sid in ids:
-            self._expect(sid, _State.CLAIMED, "commit")
+        ids = self._claimed_ids(ids, "commit")
         for sid in ids:
             self._state[sid] = _State.COMMITTED
             self._tokens_total += self._lengths[sid]
@@ -184,7 +182,29 @@ class SamplePool:
             "samples_committed_total": self._samples_total,
         }
 
+    @staticmethod
+    def check_state(state: object) -> None:
+        """Raise :class:`InputError` unless ``state`` has the shape :meth:`state_dict` gives (a
+        checkpoint's copy may be damaged), naming the first bad field."""
+        require(isinstance(state, dict), "pool", state, "must be an object")
+        for key in _STATE_COUNTS:
+            v = state.get(key)
+            require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"pool.{key}", v,
+                    "must be an integer >= 0")
+        v = state.get("seed")
+        require(isinstance(v, int) and not isinstance(v, bool), "pool.seed", v,
+                "must be an integer")
+        v = state.get("num_epochs")
+        require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                "pool.num_epochs", v, "must be an integer >= 1 or null")
+        ids = state.get("committed")
+        n = state["num_samples"]
+        require(isinstance(ids, list) and all(isinstance(i, int) and 0 <= i < n for i in ids)
+                and len(set(ids)) == len(ids), "pool.committed", ids,
+                f"must be distinct sample ids in [0, {n})")
+
     def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         require(state["num_samples"] == len(self._lengths), "num_samples", state["num_samples"],
                 f"the checkpoint was made for a dataset of {state['num_samples']} samples, "
                 f"this one has {len(self._lengths)}")
@@ -204,6 +224,16 @@ class SamplePool:
             self._fill([i for i in range(len(self._lengths)) if i not in committed])
 
     # ---- internals --------------------------------------------------------------------------
+    def _claimed_ids(self, ids: Iterable[int], action: str) -> list[int]:
+        """``ids`` as a list, checked before any change: each claimed, none twice (a duplicate
+        would count one sample twice and leave it claimed)."""
+        ids = list(ids)
+        for sid in ids:
+            self._expect(sid, _State.CLAIMED, action)
+        if len(set(ids)) != len(ids):
+            raise PoolStateError(f"{action}: duplicate sample ids in {ids}")
+        return ids
+
     def _expect(self, sid: int, state: _State, action: str) -> None:
         if not 0 <= sid < len(self._lengths):
             raise PoolStateError(f"{action}: sample {sid} is not in the pool")

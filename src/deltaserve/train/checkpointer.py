@@ -15,13 +15,7 @@ from pathlib import Path
 
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights
-from deltaserve.train.checkpoint import (
-    Checkpoint,
-    CheckpointConfig,
-    find_latest,
-    read_checkpoint,
-    write_checkpoint,
-)
+from deltaserve.train.checkpoint import CheckpointConfig, CheckpointStore, Resumed
 from deltaserve.train.events import (
     CheckpointSaved,
     TrainingEvent,
@@ -39,6 +33,9 @@ class Checkpointer:
         self.base_model = base_model
         self.fingerprint = fingerprint
         self.log_path = Path(config.root) / "train_log.jsonl" if config.root else None
+        self.store = CheckpointStore(config.root, config.keep) if config.root else None
+        if self.store is not None:
+            self.store.clean_stale()  # what a crash mid-save left behind
         self.io_errors = 0
         self._unwritten: list[str] = []  # log lines the disk refused, oldest first
         self._save_failed = False
@@ -56,11 +53,11 @@ class Checkpointer:
     def save(self, step: int, adapter: AdapterWeights, optimizer: OptimizerState,
              pool_state: dict) -> TrainingEvent | None:
         """Write a checkpoint of the committed state; a failure becomes an event."""
-        if not self.config.root:
+        if self.store is None:
             return None
         try:
-            path = write_checkpoint(self.config.root, step, adapter, optimizer, pool_state,
-                                    self.base_model, self.fingerprint, self.config.keep)
+            path = self.store.save(step, adapter, optimizer, pool_state, self.base_model,
+                                   self.fingerprint)
         except OSError as e:
             self._save_failed = True
             return self._failed(f"checkpoint of step {step}", e)
@@ -81,11 +78,12 @@ class Checkpointer:
         """Retry unwritten log lines (the caller retries a failed checkpoint by saving)."""
         return self._flush_log() if self._unwritten else None
 
-    def resume(self, model: ModelConfig) -> Checkpoint | None:
-        if not (self.config.root and self.config.resume):
+    def resume(self, model: ModelConfig) -> Resumed | None:
+        """The newest usable checkpoint (``latest``, or the newest complete one when ``latest``
+        is missing or broken, said in ``reason``); None for a fresh start."""
+        if self.store is None or not self.config.resume:
             return None
-        latest = find_latest(self.config.root)
-        return read_checkpoint(latest, model) if latest is not None else None
+        return self.store.resume(model)
 
     def _flush_log(self) -> TrainingEvent | None:
         assert self.log_path is not None

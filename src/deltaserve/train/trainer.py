@@ -9,6 +9,7 @@ the pool.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from deltaserve.train.samples import SampleBook
 from deltaserve.train.worker import SharedState, WorkerSpec
 
 Publish = Callable[[AdapterWeights], None]
+logger = logging.getLogger("deltaserve")
 
 
 class Trainer:
@@ -140,9 +142,13 @@ class Trainer:
             listener(event)
 
     def _restore(self, model: LlamaModel) -> None:
-        ck = self.checkpointer.resume(model.config)
-        if ck is None:
+        resumed = self.checkpointer.resume(model.config)
+        if resumed is None:
             return
+        ck = resumed.checkpoint
+        if resumed.passed_over:
+            logger.warning("resume: %s (passed over: %s)", resumed.reason,
+                           "; ".join(resumed.passed_over))
         require(ck.trainer_state["dataset_fingerprint"] == self.book.fingerprint, "resume",
                 str(ck.path), "the checkpoint was made on another dataset or tokenization")
         require(ck.adapter.config == self.config.lora, "resume", str(ck.path),

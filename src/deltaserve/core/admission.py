@@ -60,7 +60,7 @@ class AdmissionConfig:
     admit_during_backward: bool = False
 
     def __post_init__(self) -> None:
-        coerce_enum(self, "mode", AdmissionMode, "admission")
+        coerce_enum(self, "mode", AdmissionMode)
         require(self.max_ft_tokens_per_step > 0, "max_ft_tokens_per_step",
                 self.max_ft_tokens_per_step, "must be > 0")
 

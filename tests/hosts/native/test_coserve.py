@@ -7,7 +7,14 @@ import time
 import pytest
 import torch
 
-from deltaserve.core import AdmissionConfig, CalibrationConfig, ExecMode, SLOConfig, StepShape
+from deltaserve.core import (
+    AdmissionConfig,
+    CalibrationConfig,
+    Equation,
+    ExecMode,
+    SLOConfig,
+    StepShape,
+)
 from deltaserve.core.admission import Skip
 from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
 from deltaserve.hosts.native.coserve import attach, detach
@@ -190,11 +197,22 @@ def test_abort_is_measured_in_layers(tiny):
 
 
 def test_calibration_reports_error(tiny):
+    """The start-up calibration fits both equations from real step times. Their exact fit is
+    checked against a closed form in ``test_calibrate.py``; here the clock is real, and on a
+    shared 2-core machine this tiny model's steps (a few ms) are mostly noise: measured
+    in-sample MAPE 0.26-0.61 per (equation, mode) over 8 calibrations at load 6-7, R² between
+    -0.97 and 0.56 (so no R² bound holds here). The bound 0.9 keeps a margin over that noise
+    and still fails a broken fit: predictions of 0 (no or zeroed coefficients) score exactly
+    1, a unit slip (ms for s) scores ~1000."""
     eng = engine(tiny)
     coserve(eng)
     try:
-        q = eng.latency_model.quality()
-        assert q and all(f.num_points > 0 and f.mape >= 0 for f in q)
+        q = {(f.equation, f.mode): f for f in eng.latency_model.quality()}
+        assert set(q) == {(Equation.MIXED, ExecMode.EAGER), (Equation.DECODE, ExecMode.EAGER)}
+        min_points = eng.latency_model.config.min_fit_points
+        for f in q.values():
+            assert f.num_points >= min_points, f
+            assert 0 <= f.mape < 0.9, f
         assert eng.latency_model.predict(StepShape((64,))) > 0
     finally:
         detach(eng, drain=False, checkpoint=False)

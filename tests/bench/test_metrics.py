@@ -2,7 +2,7 @@ import pytest
 
 from deltaserve.bench import metrics as M
 from deltaserve.bench.replay import RequestRecord
-from deltaserve.core import SLOConfig, StepShape
+from deltaserve.core import InputError, SLOConfig, StepShape
 from deltaserve.core.contract import StepRecord
 
 SLO = SLOConfig(ttft_s=1.0, tpot_s=0.2)
@@ -55,3 +55,92 @@ def test_idle_fraction_and_harvest():
 def test_empty_run():
     m = M.compute([], SLO, 1.0, 0, 0, None)
     assert m.slo_attainment == 1.0 and m.ttft_p50_ms is None and m.completed_requests == 0
+
+
+# ---- harvest in core-seconds: hand-computed cases (module docstring's formula) ------------
+
+def steps_of(*seconds):
+    return [StepRecord(float(i), StepShape((5,)), s, 0, False) for i, s in enumerate(seconds)]
+
+
+# Inference alone on a 2-core machine for 10 s, its steps busy 4 s on both cores:
+# 2 × 10 − 4 × 2 = 12 idle core-seconds. Standalone training: 100 tokens/s on 2 cores.
+IDLE = M.idle_capacity(steps_of(1.0, 2.5, 0.5), wall_s=10.0, cores=2)
+RATE = M.tokens_per_core_s(100.0, 2)  # 50 tokens per core-second
+
+
+def test_idle_capacity_is_core_seconds_inference_left_unused():
+    assert IDLE.total_core_s == 20.0 and IDLE.busy_core_s == 8.0 and IDLE.idle_core_s == 12.0
+    # a host whose steps ran on one of the two cores left the other idle throughout
+    one = M.idle_capacity(steps_of(1.0, 2.5, 0.5), wall_s=10.0, cores=2, step_cores=1)
+    assert one.busy_core_s == 4.0 and one.idle_core_s == 16.0
+    assert M.idle_capacity([], 3.0, cores=4).idle_core_s == 12.0
+    # steps timed inside the wall clock may round past it: never negative
+    assert M.idle_capacity(steps_of(5.0, 5.01), 10.0, cores=1).idle_core_s == 0.0
+
+
+def test_inference_only_scores_zero():
+    h = M.harvest(0, IDLE, RATE)
+    assert h.ratio == 0.0 and h.training_core_s == 12.0
+
+
+def test_training_only_in_idle_gaps_is_charged_the_idle_capacity():
+    # 300 tokens ÷ (12 core·s × 50 tokens/(core·s)) = 0.5
+    h = M.harvest(300, IDLE, RATE)
+    assert h.reserved_core_s == 0.0
+    assert h.ratio == pytest.approx(300 / (12 * 50))
+    assert h.ratio == pytest.approx(0.5)
+    # every idle core-second trained at the standalone rate: exactly 1
+    assert M.harvest(600, IDLE, RATE).ratio == pytest.approx(1.0)
+
+
+def test_a_trainer_holding_a_core_is_charged_for_it_all_run():
+    # split pool: its trainer holds one of the two cores for the 10 s replay. It is charged
+    # 12 idle + 1 × 10 reserved = 22 core·s. Its core training at the standalone rate for the
+    # whole run makes 10 × 50 = 500 tokens: 500 / (22 × 50) ≈ 0.4545.
+    h = M.harvest(500, IDLE, RATE, reserved_cores=1, wall_s=10.0)
+    assert h.reserved_core_s == 10.0 and h.training_core_s == 22.0
+    assert h.ratio == pytest.approx(500 / 1100)
+    # it cannot score above what its own core could train: even a fully busy inference run
+    # (no idle capacity) leaves it at most 1 when its core trains at the standalone rate
+    busy = M.idle_capacity(steps_of(10.0), wall_s=10.0, cores=2)
+    assert busy.idle_core_s == 0.0
+    assert M.harvest(500, busy, RATE, reserved_cores=1, wall_s=10.0).ratio == pytest.approx(1.0)
+    # the old definition (tokens/s ÷ (machine tokens/s × idle share)) gave the same trainer
+    # 50 / (100 × 0.6) ≈ 0.83 here, and above 1 once inference is busier (0.3 idle: 1.67)
+    assert M.harvest_ratio(50.0, 100.0, 0.6) == pytest.approx(50 / 60)
+    assert M.harvest_ratio(50.0, 100.0, 0.3) > 1
+    assert M.harvest(500, M.idle_capacity(steps_of(7.0), 10.0, 2), RATE, 1, 10.0).ratio \
+        == pytest.approx(500 / ((6 + 10) * 50))
+
+
+def test_a_partitioned_backward_is_charged_like_a_split_pool():
+    # co-serving with the backward pinned to one core of two: same charge as split pool, so
+    # whatever it harvests in the host's idle gaps and steps must beat 22 core·s × rate to be 1
+    h = M.harvest(1100, IDLE, RATE, reserved_cores=1, wall_s=10.0)
+    assert h.ratio == pytest.approx(1.0)
+    assert h.as_json() == {"ft_tokens": 1100, "idle_core_s": 12.0, "reserved_core_s": 10.0,
+                           "standalone_tokens_per_core_s": 50.0, "training_core_s": 22.0,
+                           "ratio": pytest.approx(1.0)}
+
+
+def test_nothing_charged_has_no_ratio():
+    busy = M.idle_capacity(steps_of(10.0), wall_s=10.0, cores=2)
+    assert M.harvest(0, busy, RATE).ratio is None
+    assert M.harvest(100, IDLE, 0.0).ratio is None
+
+
+@pytest.mark.parametrize("call,field", [
+    (lambda: M.idle_capacity([], 1.0, cores=0), "cores"),
+    (lambda: M.idle_capacity([], 1.0, cores=2, step_cores=3), "step_cores"),
+    (lambda: M.idle_capacity([], -1.0, cores=2), "wall_s"),
+    (lambda: M.tokens_per_core_s(-1.0, 2), "standalone_tokens_per_s"),
+    (lambda: M.harvest(-1, IDLE, RATE), "ft_tokens"),
+    (lambda: M.harvest(1, IDLE, RATE, reserved_cores=3, wall_s=1.0), "reserved_cores"),
+    (lambda: M.harvest(1, IDLE, RATE, reserved_cores=1), "wall_s"),
+    (lambda: M.harvest(1, IDLE, -2.0), "standalone_tokens_per_core_s"),
+])
+def test_bad_accounting_input_names_the_field(call, field):
+    with pytest.raises(InputError) as e:
+        call()
+    assert e.value.field == field

@@ -225,7 +225,8 @@ def reference_greedy(sched, proposed, delta, batch_room):
 
 @settings(max_examples=300, deadline=None)
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=80),
-       prefill=st.lists(st.integers(1, 300), max_size=3), num_decode=st.integers(0, 20),
+       prefill=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 600)), max_size=3),
+       num_decode=st.integers(0, 20),
        waited_s=st.floats(0.0, 0.45), capacity=st.integers(1, 2000),
        cap=st.integers(1, 3000), seqs=st.integers(1, 64),
        batch_room=st.one_of(st.none(), st.integers(1, 500)),
@@ -236,7 +237,12 @@ def test_plan_equals_per_sample_greedy(lengths, prefill, num_decode, waited_s, c
                         max_model_len=1024, max_kv_tokens=100_000)
     sched, pool, ledger = make(lengths, capacity, AdmissionConfig(max_ft_tokens_per_step=cap),
                                limits, model)
-    proposed = StepShape(tuple(prefill), num_decode=num_decode, kv_tokens=10 * num_decode)
+    # each prefill chunk may sit behind a cached prefix (a chunked-prefill continuation)
+    chunks = tuple(n for n, _ in prefill)
+    prefixes = tuple(p for _, p in prefill)
+    proposed = StepShape(chunks, num_decode=num_decode,
+                         kv_tokens=10 * num_decode + sum(prefixes),
+                         prefill_prefix_lens=prefixes if any(prefixes) else ())
     waiting = (WaitingRequest(100.0 - waited_s, 0),) if prefill else ()
     v = view(proposed, waiting=waiting, oldest_decode_token_s=99.95 if num_decode else None)
     order = [sid for sid, _ in pool.iter_available()]
@@ -244,6 +250,10 @@ def test_plan_equals_per_sample_greedy(lengths, prefill, num_decode, waited_s, c
     want_lens, want_stop = reference_greedy(sched, proposed, delta,
                                             math.inf if batch_room is None else batch_room)
     plan = sched.plan(v, batch_room_tokens=batch_room)
+    if proposed.prefill_lens and plan.budget is not None:  # past the pre-checks, a batch
+        # with prefill is priced by eager Equation I alone as with samples: the oracle's
+        exhausted = model.predict_upper(proposed) > delta
+        assert (plan.skip is Skip.BUDGET_EXHAUSTED) == exhausted
     if plan.skip is Skip.BUDGET_EXHAUSTED:  # the inference batch alone is over Δ
         assert not want_lens
         return

@@ -151,13 +151,32 @@ def test_margin_is_relative_and_covers_the_noise():
     assert m.predict_upper(s) == pytest.approx(m.predict(s) * (1 + margin))
 
 
-def test_ft_pricer_matches_predict_upper(fitted):
-    base = StepShape((120, 30), num_decode=5, kv_tokens=900)
+# Inference batches a pricer must price like predict_upper: prefill chunks alone, and chunks
+# behind a cached prefix (a chunked-prefill continuation, whose Σn² term carries 2·n·p).
+PRICER_BASES = [
+    StepShape((120, 30), num_decode=5, kv_tokens=900),
+    StepShape((64,), kv_tokens=448, prefill_prefix_lens=(448,)),
+    StepShape((120, 30), num_decode=5, kv_tokens=1900, prefill_prefix_lens=(0, 1000)),
+    StepShape((200, 10, 7), kv_tokens=3000, prefill_prefix_lens=(1500, 1200, 300)),
+]
+
+
+@pytest.mark.parametrize("base", PRICER_BASES)
+def test_ft_pricer_matches_predict_upper(fitted, base):
     pricer = fitted.ft_pricer(base)
     for ft in [(16,), (16, 40), (100, 200, 300)]:
         want = fitted.predict_upper(base.with_ft(ft))
         got = pricer.upper_s(sum(n * n for n in ft), sum(ft))
         assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("base", PRICER_BASES)
+def test_ft_pricer_base_is_predict_upper_of_the_eager_batch(fitted, base):
+    """With no sample added, the pricer is the eager Equation I of the batch itself, prefix
+    term included (it once dropped 2·n·p and under-priced chunked-prefill continuations)."""
+    assert base.mode is ExecMode.EAGER and not base.is_decode_only
+    assert fitted.ft_pricer(base).upper_s(0, 0) == pytest.approx(fitted.predict_upper(base),
+                                                                rel=1e-12)
 
 
 def test_online_error_is_out_of_sample(fitted):

@@ -6,8 +6,41 @@
 * ``tpot_p99_ms``: the 99th percentile, over requests, of that longest gap.
 * Fine-tuning throughput: tokens and samples the backward *committed* during the replay's wall
   time, per second.
-* Harvest ratio: fine-tuning tokens/s ÷ (standalone training tokens/s of the whole machine ×
-  the fraction of the inference-only run's wall time in which the machine had no step to run).
+
+Harvest ratio, accounted in core-seconds (device-seconds on a GPU: read "core" as "device")::
+
+    idle_core_s     = C · W₀ − Σⱼ sⱼ · cⱼ                                      [core·s]
+    reserved_core_s = c_r · W                                                 [core·s]
+    rate            = standalone training tokens/s on k cores ÷ k             [tokens/(core·s)]
+    harvest         = ft_tokens ÷ ((idle_core_s + reserved_core_s) · rate)    [1]
+
+* ``C``: cores of the whole machine; ``W₀`` [s]: wall time of the inference-only run; ``sⱼ``
+  [s]: time of its step ``j`` and ``cⱼ`` the cores that step ran on (all ``C`` for the bare
+  host). ``idle_core_s`` is what inference alone left unused on the whole machine.
+* ``c_r``: cores the system reserved for training and so took from inference for its whole
+  replay of ``W`` [s]: split-pool's trainer, a backward on a partitioned core. 0 for a system
+  whose training only shares the host's cores (it is then charged the idle capacity alone).
+* ``ft_tokens``: fine-tuning tokens the system committed during its replay.
+
+The denominator is the training the capacity the system spent could have bought at the
+standalone rate. Sanity cases: inference-only scores 0; a system training only in the measured
+idle gaps scores ``ft_tokens ÷ (idle_core_s · rate)``; a split pool is charged its trainer's
+cores for the whole run *on top of* the idle capacity (which it leaves unused), so it scores at
+most what those cores could train at the standalone rate, ``c_r · W · rate ÷ ((idle_core_s +
+c_r · W) · rate) ≤ 1``. The charge is deliberately conservative: a reserved core's own idle
+share of the inference-only run is in both terms.
+
+The definition still allows a value above 1. It then means the system trained more than a
+standalone trainer could have in the capacity charged to it, which happens when (a) training
+rows ride inside inference steps whose marginal cost per row is below a standalone trainer's (a
+memory-bound GPU step: that capacity is not idle by this account, yet it trains), (b) training
+runs on fewer cores than the standalone measurement and threads scale sub-linearly (more tokens
+per core-second), or (c) the system slowed inference without reserving cores (a backward
+time-sliced with the host): SLO attainment then shows the cost.
+
+The older ``idle_fraction`` / ``harvest_ratio`` pair (standalone tokens/s × the idle share of
+the wall time) ignores reserved cores, so a split pool scored above 1; they stay only until the
+bench switches to :func:`idle_capacity` and :func:`harvest`.
 """
 
 from __future__ import annotations
@@ -19,6 +52,7 @@ import numpy as np
 
 from deltaserve.bench.replay import RequestRecord
 from deltaserve.core.contract import StepRecord
+from deltaserve.core.errors import require
 from deltaserve.core.slo import SLOConfig
 
 
@@ -61,8 +95,88 @@ def idle_fraction(steps: Sequence[StepRecord], wall_s: float) -> float:
 
 def harvest_ratio(ft_tokens_per_s: float, standalone_tokens_per_s: float,
                   inference_idle_fraction: float) -> float | None:
+    """The old ratio (see the module docstring); :func:`harvest` replaces it."""
     denom = standalone_tokens_per_s * inference_idle_fraction
     return ft_tokens_per_s / denom if denom > 0 else None
+
+
+@dataclass(frozen=True)
+class IdleCapacity:
+    """What the inference-only run left unused on the whole machine: ``cores`` × ``wall_s``
+    less ``busy_core_s``, the core-seconds its steps ran."""
+
+    cores: int
+    wall_s: float
+    busy_core_s: float
+
+    @property
+    def total_core_s(self) -> float:
+        return self.cores * self.wall_s
+
+    @property
+    def idle_core_s(self) -> float:
+        # steps are timed inside the wall clock; rounding can make busy exceed it by a hair
+        return max(0.0, self.total_core_s - self.busy_core_s)
+
+
+def idle_capacity(steps: Sequence[StepRecord], wall_s: float, cores: int,
+                  step_cores: int | None = None) -> IdleCapacity:
+    """The inference-only run's idle capacity: its ``steps`` each ran on ``step_cores`` of the
+    machine's ``cores`` (default: all of them) during ``wall_s`` seconds."""
+    require(cores >= 1, "cores", cores, "must be >= 1")
+    step_cores = cores if step_cores is None else step_cores
+    require(1 <= step_cores <= cores, "step_cores", step_cores, f"must be in [1, {cores}]")
+    require(wall_s >= 0, "wall_s", wall_s, "must be >= 0")
+    return IdleCapacity(cores, wall_s, sum(s.seconds for s in steps) * step_cores)
+
+
+def tokens_per_core_s(tokens_per_s: float, cores: int) -> float:
+    """A standalone trainer's throughput on ``cores`` cores, per core-second."""
+    require(cores >= 1, "cores", cores, "must be >= 1")
+    require(tokens_per_s >= 0, "standalone_tokens_per_s", tokens_per_s, "must be >= 0")
+    return tokens_per_s / cores
+
+
+@dataclass(frozen=True)
+class HarvestAccount:
+    """One system's harvest, with every term of the module docstring's formula."""
+
+    ft_tokens: int
+    idle_core_s: float
+    reserved_core_s: float
+    standalone_tokens_per_core_s: float
+
+    @property
+    def training_core_s(self) -> float:
+        """The capacity charged to training: the idle capacity plus the reserved cores."""
+        return self.idle_core_s + self.reserved_core_s
+
+    @property
+    def ratio(self) -> float | None:
+        """``None`` when nothing was charged (no idle capacity, no reserved core) or the
+        standalone rate is unknown (0)."""
+        denom = self.training_core_s * self.standalone_tokens_per_core_s
+        return self.ft_tokens / denom if denom > 0 else None
+
+    def as_json(self) -> dict:
+        return asdict(self) | {"training_core_s": self.training_core_s, "ratio": self.ratio}
+
+
+def harvest(ft_tokens: int, idle: IdleCapacity, standalone_tokens_per_core_s: float,
+            reserved_cores: int = 0, wall_s: float = 0.0) -> HarvestAccount:
+    """Harvest of a system that committed ``ft_tokens`` in a replay of ``wall_s`` seconds and
+    held ``reserved_cores`` of the machine for training throughout (split-pool's trainer, a
+    partitioned backward), against the inference-only run's ``idle`` capacity."""
+    require(ft_tokens >= 0, "ft_tokens", ft_tokens, "must be >= 0")
+    require(0 <= reserved_cores <= idle.cores, "reserved_cores", reserved_cores,
+            f"must be in [0, {idle.cores}] (the machine's cores)")
+    require(wall_s >= 0, "wall_s", wall_s, "must be >= 0")
+    require(reserved_cores == 0 or wall_s > 0, "wall_s", wall_s,
+            "a system holding reserved cores needs its replay's wall time to be charged")
+    require(standalone_tokens_per_core_s >= 0, "standalone_tokens_per_core_s",
+            standalone_tokens_per_core_s, "must be >= 0")
+    return HarvestAccount(ft_tokens, idle.idle_core_s, reserved_cores * wall_s,
+                          standalone_tokens_per_core_s)
 
 
 def compute(records: Sequence[RequestRecord], slo: SLOConfig, wall_s: float, ft_tokens: int,

@@ -269,15 +269,19 @@ class LatencyModel:
         return float(np.dot(features(shape, key[0]), coef)) * (1.0 + self._margin[key])
 
     def ft_pricer(self, shape: StepShape) -> FtPricer | None:
-        """Prices ``shape`` plus fine-tuning samples without building a shape per candidate.
+        """Prices the inference batch of ``shape`` plus fine-tuning samples without building a
+        shape per candidate.
 
-        Adding samples makes the step eager Equation I, so the base is priced that way too.
+        Adding samples makes the step eager Equation I, so the base is priced that way too,
+        with the same Σn² term as :meth:`predict_upper`: a chunk behind a cached prefix ``p``
+        counts ``n² + 2·n·p`` (:attr:`StepShape.prefill_sq_tokens`). Samples start at position
+        0, so each adds only ``m²``.
         """
         key = (Equation.MIXED, ExecMode.EAGER)
         coef = self._coef[key]
         if coef is None:
             return None
-        infer_sq = sum(n * n for n in shape.prefill_lens)
+        infer_sq = shape.inference_only().prefill_sq_tokens
         rows = shape.num_prefill_tokens + shape.num_decode
         base = coef[0] * infer_sq + coef[1] * rows + coef[3] * shape.kv_tokens + coef[4]
         return FtPricer(float(base), float(coef[0]), float(coef[2]), 1.0 + self._margin[key],

@@ -1,14 +1,22 @@
 """Co-serving on the embedded engine, end to end (tiny model, real backward process)."""
 
-import itertools
 import threading
 import time
 
 import pytest
 import torch
 
-from deltaserve.core import AdmissionConfig, CalibrationConfig, ExecMode, SLOConfig, StepShape
+from deltaserve.core import (
+    AdmissionConfig,
+    CalibrationConfig,
+    Equation,
+    ExecMode,
+    SLOConfig,
+    StepShape,
+)
 from deltaserve.core.admission import Skip
+from deltaserve.core.calibration import build_plan
+from deltaserve.core.latency_model import LatencyModelConfig, fit_from
 from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
 from deltaserve.model import LoRAConfig
 from deltaserve.train.config import BackwardConfig
@@ -97,19 +105,62 @@ def test_outputs_identical_with_and_without_coserving(tiny, device):
         eng.detach(drain=False, checkpoint=False)
 
 
-def test_light_load_meets_slo_and_trains(tiny):
+def slow_latency_model():
+    """Predicts 50 ms + 10 ms per token, fitted exactly and never refitted online: this tiny
+    model's real steps take a few ms, so the predictions (not the noisy clock) decide where Δ
+    binds, and they bind well inside the step and backward-batch limits (a step reaches a
+    0.5 s TPOT budget at 45 tokens, a 1 s TTFT budget at 95)."""
+    def seconds(s: StepShape) -> float:
+        return 0.05 + 1e-2 * s.num_tokens
+    return fit_from([(p.shape, seconds(p.shape)) for p in build_plan(fx.LIMITS)],
+                    LatencyModelConfig(refit_every=10**9))
+
+
+def test_light_load_admits_within_slo_and_trains(tiny):
+    """Admission keeps every step it adds samples to within the SLO slack of the requests in
+    flight, as the latency model predicts it; under light load it still trains, beside
+    inference and in idle steps. Asserted on the co-server's decisions, not on wall-clock
+    latencies (which on a shared machine measure the other tenants too)."""
     eng = engine(tiny)
-    co = coserve(eng, slo=SLOConfig(ttft_s=1.0, tpot_s=0.5))
+    slo = SLOConfig(ttft_s=1.0, tpot_s=0.5)
+    # a backward batch (256 tokens) larger than any admissible step, so Δ, not the batch's
+    # room, is what stops admission beside inference
+    co = attach(eng, dataset=fx.samples(40), slo=slo, latency_model=slow_latency_model(),
+                progress=False, lora=LoRAConfig(r=4, alpha=8), backward_batch_tokens=256)
+    model = eng.latency_model
+    decisions = []  # (view, plan, predict_upper of the planned step at planning time)
+    plan = co.plan
+
+    def record(view):
+        p = plan(view)
+        decisions.append((view, p, model.predict_upper(p.shape)))
+        return p
+
+    co.plan = record
     try:
-        outs = replay(eng, prompts(20, seed=6), 0.05, SamplingParams(max_tokens=6))
-        for o in outs:
-            assert o.first_token_s - o.arrival_s <= 1.0
-            gaps = [b - a for a, b in itertools.pairwise(o.token_times_s)]
-            assert max(gaps, default=0) <= 0.5
-        deadline = time.monotonic() + 60
+        outs = replay(eng, prompts(20, seed=6), 0.05, SamplingParams(max_tokens=6,
+                                                                     ignore_eos=True))
+        assert [len(o.output_token_ids) for o in outs] == [6] * 20
+        mixed = 0
+        for view, p, predicted_s in decisions:
+            if not (p.samples and view.proposed.has_inference):
+                continue
+            mixed += 1
+            # the SLO slack bounds Δ from above (Eq. III without the queue-wait term)
+            slack_s = min([slo.ttft_s - (view.now_s - w.arrival_s) for w in view.waiting]
+                          + ([slo.tpot_s - (view.now_s - view.oldest_decode_token_s)]
+                             if view.oldest_decode_token_s is not None else []))
+            assert p.predicted_s == pytest.approx(predicted_s, rel=1e-9)
+            assert p.predicted_s <= p.budget.delta_s <= slack_s + 1e-9
+        # the budget did bind: steps where more samples were waiting than Δ allowed (an
+        # admission blind to the SLO would have run them past the slack above)
+        cut = [p for v, p, _ in decisions if v.proposed.has_inference
+               and p.skip in (Skip.OVER_BUDGET, Skip.BUDGET_EXHAUSTED)]
+        assert cut and mixed
+        deadline = time.monotonic() + 120
         while co.stats().optimizer_steps < 2 and time.monotonic() < deadline:
             eng.step() or co.idle(timeout_s=0.05)
-        assert co.stats().ft_tokens_committed > 0
+        assert co.stats().ft_tokens_committed > 0 and co.stats().optimizer_steps >= 2
     finally:
         eng.detach(drain=False, checkpoint=False)
 
@@ -183,11 +234,22 @@ def test_abort_is_measured_in_layers(tiny):
 
 
 def test_calibration_reports_error(tiny):
+    """The start-up calibration fits both equations from real step times. Their exact fit is
+    checked against a closed form in ``test_calibrate.py``; here the clock is real, and on a
+    shared 2-core machine this tiny model's steps (a few ms) are mostly noise: measured
+    in-sample MAPE 0.26-0.61 per (equation, mode) over 8 calibrations at load 6-7, R² between
+    -0.97 and 0.56 (so no R² bound holds here). The bound 0.9 keeps a margin over that noise
+    and still fails a broken fit: predictions of 0 (no or zeroed coefficients) score exactly
+    1, a unit slip (ms for s) scores ~1000."""
     eng = engine(tiny)
     coserve(eng)
     try:
-        q = eng.latency_model.quality()
-        assert q and all(f.num_points > 0 and f.mape >= 0 for f in q)
+        q = {(f.equation, f.mode): f for f in eng.latency_model.quality()}
+        assert set(q) == {(Equation.MIXED, ExecMode.EAGER), (Equation.DECODE, ExecMode.EAGER)}
+        min_points = eng.latency_model.config.min_fit_points
+        for f in q.values():
+            assert f.num_points >= min_points, f
+            assert 0 <= f.mape < 0.9, f
         assert eng.latency_model.predict(StepShape((64,))) > 0
     finally:
         eng.detach(drain=False, checkpoint=False)

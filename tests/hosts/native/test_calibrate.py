@@ -34,7 +34,7 @@ def executed_shape(batch, training) -> StepShape:
     prefixes = tuple(i.request.num_computed for i in prefills)
     return StepShape(tuple(i.num_tokens for i in prefills), len(batch.items) - len(prefills),
                      sum(i.request.num_computed for i in batch.items),
-                     tuple(len(t) for t in training.token_ids) if training else (),
+                     training.rows.lengths if training else (),
                      prefill_prefix_lens=prefixes if any(prefixes) else ())
 
 
@@ -55,16 +55,17 @@ def tiny(tmp_path_factory):
 
 
 def test_calibration_fits_the_engine_it_ran_exactly(tiny, monkeypatch):
-    eng = LLMEngine(EngineConfig(model=str(tiny), max_num_seqs=16, max_num_batched_tokens=128,
-                                 block_size=8, kv_cache_tokens=4096, max_model_len=256))
+    eng = LLMEngine(EngineConfig(model=str(tiny), dtype="float32", max_num_seqs=16,
+                                 max_num_batched_tokens=128, block_size=8, kv_cache_tokens=4096,
+                                 max_model_len=256))
     clock = SimpleNamespace(now_s=0.0)
     monkeypatch.setattr(native_calibrate, "time",
                         SimpleNamespace(perf_counter=lambda: clock.now_s))
     run = eng.runner.run
     executed: list[StepShape] = []
 
-    def timed_run(batch, training=None):
-        result = run(batch, training)  # the real forward, captures included
+    def timed_run(batch, training=None, train_adapter=None):
+        result = run(batch, training, train_adapter)  # the real forward, captures included
         shape = executed_shape(batch, training)
         executed.append(shape)
         clock.now_s += closed_form_s(shape)

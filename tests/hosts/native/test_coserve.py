@@ -125,16 +125,17 @@ def test_light_load_admits_within_slo_and_trains(tiny):
     slo = SLOConfig(ttft_s=1.0, tpot_s=0.5)
     # a backward batch (256 tokens) larger than any admissible step, so Δ, not the batch's
     # room, is what stops admission beside inference
-    co = attach(eng, dataset=fx.samples(40), slo=slo, latency_model=slow_latency_model(),
-                progress=False, lora=LoRAConfig(r=4, alpha=8), backward_batch_tokens=256)
+    co = eng.attach(dataset=fx.samples(40), slo=slo, latency_model=slow_latency_model(),
+                    progress=False, lora=LoRAConfig(r=4, alpha=8),
+                    backward=BackwardConfig(batch_tokens=256))
     model = eng.latency_model
     decisions = []  # (view, plan, predict_upper of the planned step at planning time)
     plan = co.plan
 
     def record(view):
-        p = plan(view)
-        decisions.append((view, p, model.predict_upper(p.shape)))
-        return p
+        step = plan(view)
+        decisions.append((view, step.plan, model.predict_upper(step.plan.shape)))
+        return step
 
     co.plan = record
     try:

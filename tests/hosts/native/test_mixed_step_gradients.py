@@ -27,9 +27,9 @@ from deltaserve.core import SLOConfig, StepShape
 from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.data import IGNORE_INDEX, TrainingSample
 from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
-from deltaserve.hosts.native.coserve import attach, detach
 from deltaserve.model import AdapterWeights, LoRAConfig
 from deltaserve.model.lora import ALL_MODULES, DropoutSegment, dropout_, peft_key
+from deltaserve.train.config import BackwardConfig
 from deltaserve.train.messages import JobSample
 from deltaserve.train.recompute import layerwise_backward
 from tests.tiny import hf_tiny_llama
@@ -96,29 +96,27 @@ def drive_mixed_steps(eng: LLMEngine) -> None:
 
 def capture_in_mixed_steps(path, dropout: float) -> tuple[list[Captured], AdapterWeights,
                                                           list[TrainingSample], LLMEngine]:
-    eng = LLMEngine(EngineConfig(model=str(path), max_num_seqs=8,
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=8,
                                  max_num_batched_tokens=STEP_TOKENS, block_size=8,
                                  kv_cache_tokens=2048, max_model_len=256))
     data = fx.samples(40)
     # the batch never fills (4096 tokens) and the pool never empties: the backward process
     # never runs, so the buffer and the adapter stay as the forward left them
-    co = attach(eng, dataset=data, slo=SLOConfig(1000.0, 1000.0),
-                latency_model=fx.latency_model(), progress=False,
-                lora=LoRAConfig(r=4, alpha=8, dropout=dropout, target_modules=ALL_MODULES),
-                backward_batch_tokens=4096,
-                admission=AdmissionConfig(max_ft_tokens_per_step=64))
+    co = eng.attach(dataset=data, slo=SLOConfig(1000.0, 1000.0),
+                    latency_model=fx.latency_model(), progress=False,
+                    lora=LoRAConfig(r=4, alpha=8, dropout=dropout, target_modules=ALL_MODULES),
+                    backward=BackwardConfig(batch_tokens=4096),
+                    admission=AdmissionConfig(max_ft_tokens_per_step=64))
     captured: list[Captured] = []
     plan = co.plan
 
     def record(view):
-        p = plan(view)
-        if p.samples:
-            segments = co.training_lora(p, slice(0, p.num_ft_tokens)).segments
-            kind = kind_of(view.proposed)
-            for s, seg in zip(p.samples, segments, strict=True):
-                captured.append(Captured(kind, JobSample(
-                    s.sample_id, s.rows.start, data[s.sample_id].labels, seg.seed)))
-        return p
+        step = plan(view)
+        kind = kind_of(view.proposed)
+        for s, seed in zip(step.plan.samples, step.rows.dropout_seeds, strict=True):
+            captured.append(Captured(kind, JobSample(
+                s.sample_id, s.rows.start, data[s.sample_id].labels, seed)))
+        return step
 
     co.plan = record
     try:
@@ -129,7 +127,7 @@ def capture_in_mixed_steps(path, dropout: float) -> tuple[list[Captured], Adapte
         assert not co.backward_busy and co.stats().optimizer_steps == 0
         weights = AdapterWeights(co.model.config, co.config.lora, co.adapter.flat.clone())
     except BaseException:
-        detach(eng, drain=False, checkpoint=False)
+        eng.detach(drain=False, checkpoint=False)
         raise
     return captured, weights, data, eng
 
@@ -138,7 +136,7 @@ def capture_in_mixed_steps(path, dropout: float) -> tuple[list[Captured], Adapte
 def mixed(request, tiny):
     captured, weights, data, eng = capture_in_mixed_steps(tiny, request.param)
     yield request.param, captured, weights, data, eng
-    detach(eng, drain=False, checkpoint=False)
+    eng.detach(drain=False, checkpoint=False)
 
 
 class ReplayedDropout(torch.nn.Module):
@@ -214,7 +212,7 @@ def test_captured_gradients_equal_peft(mixed, tiny, kind):
     jobs = [c.job for c in captured if kind in (c.kind, "every step")]
     assert jobs
     trainable = weights.clone(requires_grad=True)
-    layerwise_backward(eng.model, trainable, eng.coserver.buffer, jobs, dropout)
+    layerwise_backward(eng.model, trainable, eng.coserver.trainer.buffer, jobs, dropout)
     ours = trainable.gather_grad_()
     want = peft_grads(tiny, weights, [data[j.sample_id] for j in jobs],
                       [j.dropout_seed for j in jobs])

@@ -26,7 +26,7 @@ import torch
 
 from deltaserve.core.admission import Skip
 from deltaserve.core.errors import InputError
-from deltaserve.hosts.native.request import RequestOutput, SamplingParams, TokenCallback
+from deltaserve.core.requests import RequestOutput, SamplingParams, TokenCallback
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.model.peft_io import load_adapter, save_adapter

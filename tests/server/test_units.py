@@ -7,7 +7,6 @@ import logging
 import math
 
 import pytest
-from deltaserve.train.coserve_config import CoServeConfig
 
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import InputError
@@ -24,6 +23,7 @@ from deltaserve.server.protocols import StepMetrics
 from deltaserve.server.records import JOB_PREFIX, JobRecord, JobStatus, new_id
 from deltaserve.server.store import Store
 from deltaserve.server.streaming import TextDelta
+from deltaserve.train.config import CoServeConfig
 from deltaserve.train.optim import OptimizerConfig
 
 

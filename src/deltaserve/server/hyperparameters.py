@@ -10,7 +10,7 @@ OpenAI                          DeltaServe
 ``batch_size`` (examples)       the backward batch is measured in tokens: ``batch_size`` ×
                                 the training file's mean sample length (tokens, rounded up);
                                 ``auto``: the co-server's default backward batch
-                                (``CoServeConfig.backward_batch_tokens``), reported back as
+                                (``BackwardConfig.batch_tokens``), reported back as
                                 the number of mean-length samples it holds
 =============================  ==========================================================
 
@@ -29,7 +29,7 @@ from typing import Literal
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
 from deltaserve.server.protocols import TrainingHyperparameters
-from deltaserve.train.coserve_config import CoServeConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 from deltaserve.train.optim import OptimizerConfig
 
 Auto = Literal["auto"]
@@ -42,7 +42,7 @@ def _default(cls: type, name: str):
 
 
 DEFAULT_EPOCHS: int = _default(CoServeConfig, "num_epochs")
-DEFAULT_BATCH_TOKENS: int = _default(CoServeConfig, "backward_batch_tokens")
+DEFAULT_BATCH_TOKENS: int = _default(BackwardConfig, "batch_tokens")
 BASE_LEARNING_RATE: float = _default(OptimizerConfig, "lr")
 
 

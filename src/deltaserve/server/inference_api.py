@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from deltaserve.core.errors import InputError
-from deltaserve.hosts.native.request import SamplingParams
+from deltaserve.core.requests import SamplingParams
 from deltaserve.server.context import Services, Svc
 from deltaserve.server.errors import APIError, from_input_error
 from deltaserve.server.model_registry import ServedModel

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from deltaserve.core.admission import Skip
 from deltaserve.core.data import TrainingSample
-from deltaserve.hosts.native.request import SamplingParams, TokenCallback
+from deltaserve.core.requests import SamplingParams, TokenCallback
 
 
 @runtime_checkable

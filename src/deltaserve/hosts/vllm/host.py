@@ -25,8 +25,8 @@ import torch
 from deltaserve.core.calibration import HostLimits
 from deltaserve.core.contract import StepRecord
 from deltaserve.core.errors import InputError
+from deltaserve.core.requests import RequestOutput, SamplingParams, TokenCallback
 from deltaserve.core.shape import ExecMode, StepShape
-from deltaserve.hosts.native.request import RequestOutput, SamplingParams, TokenCallback
 from deltaserve.hosts.vllm import registry
 from deltaserve.hosts.vllm.config import VLLMHostConfig, engine_limits, start_llm
 from deltaserve.hosts.vllm.version import import_vllm

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.run import run_bench
 from deltaserve.cli_flags import add_dataclass_flags, from_args
 from deltaserve.core.errors import InputError
 from deltaserve.hosts.config import HostConfig
@@ -71,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
         if ns.command == "bench":
-            from deltaserve.bench.run import run_bench
-
             run_bench(from_args(BenchConfig, ns))
         elif ns.command == "calibrate":
             _calibrate(ns)

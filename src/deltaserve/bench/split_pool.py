@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
 
 from deltaserve.core.data import IGNORE_INDEX, TrainingSample
 from deltaserve.model.loading import resolve_dtype
@@ -45,9 +47,6 @@ def _batches(samples: Sequence[TrainingSample], batch_tokens: int):
 def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
                  optimizer: OptimizerConfig, batch_tokens: int, threads: int, dtype: str,
                  steps, stop, ready) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     torch.set_num_threads(threads)
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype)),

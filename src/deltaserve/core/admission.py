@@ -21,7 +21,7 @@ from typing import NamedTuple
 from deltaserve.core.buffer_ledger import BufferLedger, RowSpan
 from deltaserve.core.calibration import Batching, HostLimits
 from deltaserve.core.errors import coerce_enum, require
-from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.latency_model import FtPricer, LatencyModel
 from deltaserve.core.pool import SamplePool
 from deltaserve.core.shape import StepShape
 from deltaserve.core.slo import SLOConfig, StepBudget, WaitingRequest, tpot_slack_s, ttft_slack_s
@@ -194,6 +194,15 @@ class AdmissionScheduler:
                           self.config.max_ft_tokens_per_step, self.ledger.largest_free_run)
         room_seqs = self.limits.max_seqs_per_step - proposed.num_seqs
         batch_room = math.inf if batch_room_tokens is None else batch_room_tokens
+        lens, c, stop = self._fill(pricer, base_s, delta, room_tokens, room_seqs, batch_room)
+        if not lens:
+            return AdmissionPlan((), proposed, budget, base_s, stop)
+        return self._admit(proposed, lens, budget, c, stop)
+
+    def _fill(self, pricer: FtPricer, base_s: float, delta: float, room_tokens: int,
+              room_seqs: int, batch_room: float) -> tuple[list[int], float, Skip]:
+        """The longest prefix of the pool's candidates (shortest first) that fits ``delta`` and
+        the rooms; its lengths, its margin-inflated cost and why the next one did not fit."""
         # Equation I is linear in (Σm², Σm) of the samples, and candidates come in runs of equal
         # length: each run's admitted count has a closed form (one check per run, not per
         # sample), after which the next candidate says why admission stopped.
@@ -236,9 +245,7 @@ class AdmissionScheduler:
                 else:
                     stop = Skip.OVER_BUDGET
                 break
-        if not lens:
-            return AdmissionPlan((), proposed, budget, base_s, stop)
-        return self._admit(proposed, lens, budget, c, stop)
+        return lens, c, stop
 
     def _admit(self, proposed: StepShape, lens: list[int], budget: StepBudget | None,
                cost: float, stop: Skip) -> AdmissionPlan:

@@ -145,27 +145,42 @@ def build_plan(limits: HostLimits, config: CalibrationConfig | None = None,
                     ProbeKind.DECODE_GRID, StepShape(num_decode=b, kv_tokens=b * kv), r,
                     kv_per_decode=kv))
 
-    kv_dec = min(256, limits.max_model_len - 1)
-    inference_batches: list[tuple[StepShape, int]] = [(StepShape(), 0)]
     if limits.batching is Batching.MIXED:
-        # prefill chunks beside decodes: decode rows cost differently from prefill rows
-        # (attention over their context), so Equation I needs both in one step to fit them
-        for b in sorted({min(b, s_max - 1) for b in cfg.mixed_decodes}):
-            for n in sorted({min(n, t_max - b) for n in cfg.mixed_prefills}):
-                for kv in sorted({min(k, limits.max_model_len - 1) for k in cfg.mixed_kv_lens}):
-                    if b < 1 or n < 1 or b * (kv + 1) + n > limits.max_kv_tokens:
-                        continue
-                    shape = StepShape((n,), num_decode=b, kv_tokens=b * kv)
-                    probes.append(CalibrationProbe(ProbeKind.MIXED, shape, r, kv_per_decode=kv))
-    # fine-tuning tokens beside: nothing, a prefill, decodes, and (mixed hosts) both
-    inference_batches.append((StepShape((min(128, t_max),)), 0))
-    if limits.batching is Batching.MIXED:
-        b = min(8, s_max - 1)
-        if b >= 1 and b * (kv_dec + 1) + 32 <= limits.max_kv_tokens:
-            inference_batches.append((StepShape(num_decode=b, kv_tokens=b * kv_dec), kv_dec))
-            inference_batches.append((StepShape((min(32, t_max - b),), num_decode=b,
-                                                kv_tokens=b * kv_dec), kv_dec))
+        probes += _mixed_probes(limits, cfg, t_max)
+    probes += _ft_probes(limits, cfg, t_max)
+    return tuple(probes)
 
+
+def _mixed_probes(limits: HostLimits, cfg: CalibrationConfig, t_max: int
+                  ) -> list[CalibrationProbe]:
+    """Prefill chunks beside decodes: decode rows cost differently from prefill rows (attention
+    over their context), so Equation I needs both in one step to fit them."""
+    probes = []
+    for b in sorted({min(b, limits.max_seqs_per_step - 1) for b in cfg.mixed_decodes}):
+        for n in sorted({min(n, t_max - b) for n in cfg.mixed_prefills}):
+            for kv in sorted({min(k, limits.max_model_len - 1) for k in cfg.mixed_kv_lens}):
+                if b < 1 or n < 1 or b * (kv + 1) + n > limits.max_kv_tokens:
+                    continue
+                shape = StepShape((n,), num_decode=b, kv_tokens=b * kv)
+                probes.append(CalibrationProbe(ProbeKind.MIXED, shape, cfg.repeats,
+                                               kv_per_decode=kv))
+    return probes
+
+
+def _ft_probes(limits: HostLimits, cfg: CalibrationConfig, t_max: int
+               ) -> list[CalibrationProbe]:
+    """Fine-tuning tokens beside nothing, a prefill, decodes, and (mixed hosts) both."""
+    kv_dec = min(256, limits.max_model_len - 1)
+    s_max = limits.max_seqs_per_step
+    inference_batches: list[tuple[StepShape, int]] = [(StepShape(), 0),
+                                                      (StepShape((min(128, t_max),)), 0)]
+    b = min(8, s_max - 1)
+    if limits.batching is Batching.MIXED and b >= 1 \
+            and b * (kv_dec + 1) + 32 <= limits.max_kv_tokens:
+        inference_batches.append((StepShape(num_decode=b, kv_tokens=b * kv_dec), kv_dec))
+        inference_batches.append((StepShape((min(32, t_max - b),), num_decode=b,
+                                            kv_tokens=b * kv_dec), kv_dec))
+    probes = []
     for base, kv in inference_batches:
         room_tokens = limits.max_tokens_per_step - base.num_tokens
         room_seqs = s_max - base.num_seqs
@@ -174,8 +189,7 @@ def build_plan(limits: HostLimits, config: CalibrationConfig | None = None,
                 continue
             n_samples = min(max(1, round(ft_total / cfg.ft_sample_len)), room_seqs)
             lens = _split(ft_total, n_samples)
-            if max(lens) > limits.max_model_len:
-                continue
-            probes.append(CalibrationProbe(ProbeKind.WITH_FT, base.with_ft(lens), r,
-                                           kv_per_decode=kv))
-    return tuple(probes)
+            if max(lens) <= limits.max_model_len:
+                probes.append(CalibrationProbe(ProbeKind.WITH_FT, base.with_ft(lens),
+                                               cfg.repeats, kv_per_decode=kv))
+    return probes

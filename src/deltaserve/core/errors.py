@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 
 class InputError(ValueError):
@@ -13,7 +12,7 @@ class InputError(ValueError):
     (1-based) too where a file holds several records on a line (a JSON array).
     """
 
-    def __init__(self, field: str, value: Any, reason: str, *, line: int | None = None,
+    def __init__(self, field: str, value: object, reason: str, *, line: int | None = None,
                  record: int | None = None):
         self.field = field
         self.value = value
@@ -29,7 +28,7 @@ class InputError(ValueError):
         super().__init__(f"{where}{field}={shown}: {reason}")
 
 
-def require(ok: bool, field: str, value: Any, reason: str) -> None:
+def require(ok: bool, field: str, value: object, reason: str) -> None:
     """Raise :class:`InputError` unless ``ok``; keeps ``__post_init__`` checks one line each."""
     if not ok:
         raise InputError(field, value, reason)
@@ -43,7 +42,7 @@ def require_non_negative(field: str, value: float) -> None:
     require(value >= 0, field, value, "must be >= 0")
 
 
-def require_choice(field: str, value: Any, choices: tuple[Any, ...]) -> None:
+def require_choice(field: str, value: object, choices: tuple[object, ...]) -> None:
     require(value in choices, field, value, f"must be one of {', '.join(map(str, choices))}")
 
 

@@ -14,9 +14,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from deltaserve.core.errors import InputError, require
+from deltaserve.core.jsontypes import JsonObject, JsonValue
 
 # format -> equation -> names of its coefficients (one feature per coefficient)
 Layouts = Mapping[str, Mapping[str, tuple[str, ...]]]
@@ -37,7 +37,7 @@ class KeyEntry:
 @dataclass(frozen=True)
 class LatencyDocument:
     format: str
-    config: dict[str, Any]  # LatencyModelConfig's fields, checked by its constructor
+    config: JsonObject  # LatencyModelConfig's fields, checked by its constructor
     entries: tuple[KeyEntry, ...]
 
 
@@ -67,8 +67,8 @@ def read_document(path: str | os.PathLike, layouts: Layouts,
     return LatencyDocument(fmt, doc["config"], entries)
 
 
-def _entry(raw: Any, where: str, layout: Mapping[str, tuple[str, ...]], modes: tuple[str, ...],
-           path: str | os.PathLike) -> KeyEntry:
+def _entry(raw: JsonValue, where: str, layout: Mapping[str, tuple[str, ...]],
+           modes: tuple[str, ...], path: str | os.PathLike) -> KeyEntry:
     require(isinstance(raw, dict), where, raw, f"must be an object in {path}")
     for name in ("equation", "mode", "coefficients", "margin"):
         require(name in raw, f"{where}.{name}", None, f"missing in {path}")
@@ -93,7 +93,7 @@ def _entry(raw: Any, where: str, layout: Mapping[str, tuple[str, ...]], modes: t
                     rows["anchors"], rows["online"])
 
 
-def _numbers(value: Any, width: int, field: str, path: str | os.PathLike, names: str) -> None:
+def _numbers(value: JsonValue, width: int, field: str, path: str | os.PathLike, names: str) -> None:
     """``value`` is a list of ``width`` finite numbers >= 0: coefficients, margins and step
     features are all non-negative."""
     require(isinstance(value, list) and len(value) == width, field, value,

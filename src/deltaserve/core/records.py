@@ -13,9 +13,9 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from deltaserve.core.errors import InputError
+from deltaserve.core.jsontypes import JsonObject, JsonValue
 
 ROLES = ("system", "user", "assistant")
 # ShareGPT speakers (``from``) and the role each one is; "user"/"assistant" appear in exports too
@@ -135,7 +135,7 @@ def _broken(text: str, i: int, line: int, record: int, reason: str,
     return error, end
 
 
-def _iter_json_array(text: str) -> Iterator[tuple[int, int, Any | InputError]]:
+def _iter_json_array(text: str) -> Iterator[tuple[int, int, JsonValue | InputError]]:
     """``(line, record, element or its error)`` of a top-level JSON array, each element with the
     line it starts on. Reading resumes after a broken element; a file in which the next element
     cannot be found (truncated) raises."""
@@ -168,7 +168,7 @@ def _iter_json_array(text: str) -> Iterator[tuple[int, int, Any | InputError]]:
         i = end
 
 
-def iter_rows(path: Path) -> Iterator[tuple[int, int | None, Any | InputError]]:
+def iter_rows(path: Path) -> Iterator[tuple[int, int | None, JsonValue | InputError]]:
     text = _read_text(path)
     if text.lstrip().startswith("["):
         yield from _iter_json_array(text)
@@ -189,7 +189,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, int | None, Any | InputError]]:
                                            line=lineno)
 
 
-def _alpaca(obj: dict[str, Any], line: int) -> list[Message]:
+def _alpaca(obj: JsonObject, line: int) -> list[Message]:
     for key in ("instruction", "output"):
         if not isinstance(obj.get(key), str) or not obj[key].strip():
             raise InputError(key, obj.get(key), "must be a non-empty string", line=line)
@@ -200,7 +200,7 @@ def _alpaca(obj: dict[str, Any], line: int) -> list[Message]:
     return [Message("user", prompt), Message("assistant", obj["output"])]
 
 
-def _chat(obj: dict[str, Any], line: int) -> list[Message]:
+def _chat(obj: JsonObject, line: int) -> list[Message]:
     raw = obj.get("messages")
     if not isinstance(raw, list) or not raw:
         raise InputError("messages", raw, "must be a non-empty list", line=line)
@@ -214,7 +214,7 @@ def _chat(obj: dict[str, Any], line: int) -> list[Message]:
     return msgs
 
 
-def _sharegpt(obj: dict[str, Any], line: int) -> list[Message]:
+def _sharegpt(obj: JsonObject, line: int) -> list[Message]:
     """ShareGPT as FastChat, axolotl, LLaMA-Factory and torchtune write it: turns under
     ``conversations`` as ``{"from", "value"}`` (or ``{"role", "content"}``), an optional
     top-level ``system`` string."""
@@ -243,7 +243,7 @@ def _sharegpt(obj: dict[str, Any], line: int) -> list[Message]:
 _READERS = {"alpaca": _alpaca, "chat": _chat, "sharegpt": _sharegpt}
 
 
-def to_conversation(obj: Any, fmt: str, line: int, system: str | None) -> Conversation:
+def to_conversation(obj: JsonValue, fmt: str, line: int, system: str | None) -> Conversation:
     if not isinstance(obj, dict):
         raise InputError("record", obj, "must be a JSON object", line=line)
     if fmt == "auto":

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from deltaserve.core.errors import InputError, require
+from deltaserve.core.jsontypes import JsonObject
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -71,7 +71,7 @@ class ModelConfig:
         return dims[module]
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_hf(cls, cfg: JsonObject) -> ModelConfig:
         """From a ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x
         ``rope_parameters``)."""
         model_type = cfg.get("model_type", "llama")

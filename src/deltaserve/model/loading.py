@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deltaserve.core.errors import InputError
 from deltaserve.model.config import ModelConfig
@@ -66,8 +67,6 @@ def _builtin_gguf(package: str, filename: str) -> Path:
 
 def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Dequantize a GGUF into a Hugging Face directory at ``out`` (atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
@@ -177,6 +176,4 @@ def load_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 
 def load_tokenizer(path: str | os.PathLike):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(str(resolve_model(os.fspath(path))))

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.core.errors import InputError, require
 from deltaserve.model.config import ModelConfig
-from deltaserve.model.lora import AdapterWeights, LoRAConfig
+from deltaserve.model.lora import ALL_MODULES, AdapterWeights, LoRAConfig
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -67,8 +67,6 @@ def read_lora_config(path: str | os.PathLike) -> LoRAConfig:
 
 
 def _module_order(m: str) -> int:
-    from deltaserve.model.lora import ALL_MODULES
-
     return ALL_MODULES.index(m) if m in ALL_MODULES else len(ALL_MODULES)
 
 

@@ -37,13 +37,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file
 
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import InputError, require
+from deltaserve.core.jsontypes import JsonObject
 from deltaserve.core.pool import SamplePool
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights
@@ -81,7 +82,7 @@ class Checkpoint:
     step: int
     adapter: AdapterWeights
     optimizer: dict[str, torch.Tensor]
-    trainer_state: dict[str, Any]
+    trainer_state: JsonObject
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def read_checkpoint(path: str | os.PathLike, model: ModelConfig) -> Checkpoint:
 
 # ---- internals -------------------------------------------------------------------------------
 def _write_files(tmp: Path, adapter: AdapterWeights, optimizer: OptimizerState,
-                 state: dict[str, Any], base_model: str) -> None:
+                 state: JsonObject, base_model: str) -> None:
     tmp.mkdir()
     save_adapter(tmp, adapter, base_model)
     torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
@@ -294,7 +295,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _read_state(path: Path) -> dict[str, Any]:
+def _read_state(path: Path) -> JsonObject:
     try:
         state = json.loads((path / STATE_NAME).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -313,7 +314,7 @@ def _read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _check_complete(path: Path) -> dict[str, Any]:
+def _check_complete(path: Path) -> JsonObject:
     """Every file present and the trainer_state valid; returns the trainer_state."""
     missing = [name for name in FILES if not (path / name).is_file()]
     require(not missing, "checkpoint", str(path), f"incomplete: no {', '.join(missing)}")
@@ -362,7 +363,7 @@ def _check_optimizer(path: Path, opt: object, numel: int, step: int) -> None:
 
 def _same_state(existing: Path, new: Path) -> bool:
     """``existing`` is complete and holds what ``new`` holds (its written_at aside)."""
-    def content(p: Path) -> tuple[dict[str, Any], bytes, object, object]:
+    def content(p: Path) -> tuple[JsonObject, bytes, object, object]:
         state = dict(_check_complete(p))
         state.pop("written_at", None)
         tensors = _guarded(p, WEIGHTS_NAME, lambda: load_file(str(p / WEIGHTS_NAME)))
@@ -391,7 +392,7 @@ class TrainingLog:
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: JsonObject) -> None:
         if self.path is None:
             return
         with self.path.open("a") as f:

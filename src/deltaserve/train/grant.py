@@ -11,11 +11,11 @@ polls, waking at most ``poll_s`` late.
 from __future__ import annotations
 
 import time
-from typing import Any
+from multiprocessing.context import BaseContext
 
 
 class Grant:
-    def __init__(self, ctx: Any, poll_s: float = 2e-4):
+    def __init__(self, ctx: BaseContext, poll_s: float = 2e-4):
         self._flag = ctx.Value("b", 1, lock=False)  # set: the backward may compute
         self.poll_s = poll_s
 

@@ -64,16 +64,20 @@ logger = logging.getLogger("deltaserve.checkpoint")
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """``root`` None disables checkpoints. ``every_steps``: optimizer steps between two."""
+    """``root`` None disables checkpoints. ``every_steps``: optimizer steps between two.
+    ``retry_s``: after a failed write (a full disk), seconds before the next attempt; training
+    waits meanwhile."""
 
     root: str | None = None
     every_steps: int = 50
     keep: int = 2
     resume: bool = True
+    retry_s: float = 5.0
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 1, "checkpoint_every", self.every_steps, "must be >= 1")
         require(self.keep >= 1, "keep_checkpoints", self.keep, "must be >= 1")
+        require(self.retry_s > 0, "checkpoint_retry_s", self.retry_s, "must be > 0")
 
 
 @dataclass(frozen=True)

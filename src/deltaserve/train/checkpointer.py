@@ -24,8 +24,6 @@ from deltaserve.train.events import (
 )
 from deltaserve.train.optim import OptimizerState
 
-RETRY_S = 5.0  # between two attempts at a failed write
-
 
 class Checkpointer:
     def __init__(self, config: CheckpointConfig, base_model: str, fingerprint: str):
@@ -58,7 +56,8 @@ class Checkpointer:
         try:
             path = self.store.save(step, adapter, optimizer, pool_state, self.base_model,
                                    self.fingerprint)
-        except OSError as e:
+        except Exception as e:
+            # RuntimeError, not OSError; whatever failed, the host's step must not see it
             self._save_failed = True
             return self._failed(f"checkpoint of step {step}", e)
         self._save_failed = False
@@ -97,7 +96,7 @@ class Checkpointer:
         self._unwritten.clear()
         return None
 
-    def _failed(self, what: str, error: OSError) -> TrainingIOError:
+    def _failed(self, what: str, error: Exception) -> TrainingIOError:
         self.io_errors += 1
-        self._retry_at = time.monotonic() + RETRY_S
+        self._retry_at = time.monotonic() + self.config.retry_s
         return TrainingIOError(time.monotonic(), what, f"{type(error).__name__}: {error}")

@@ -139,7 +139,10 @@ class Trainer:
         if isinstance(event, TrainingIOError):
             self.counts["io_errors"] += 1
         for listener in self._listeners:
-            listener(event)
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not reach the host's step
+                logger.exception("a training-event listener failed on %s", type(event).__name__)
 
     def _restore(self, model: LlamaModel) -> None:
         resumed = self.checkpointer.resume(model.config)

@@ -9,9 +9,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.run import run_bench
@@ -20,21 +18,7 @@ from deltaserve.core.errors import InputError
 from deltaserve.hosts.config import HostConfig
 from deltaserve.hosts.registry import HOSTS, create_host
 from deltaserve.model.lora import LoRAConfig
-
-
-def _writable(path: str, field: str) -> Path:
-    """Check an output path before any work is done (a model load, a calibration)."""
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        raise InputError(field, path, "is a directory; give a file path")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(field, path, f"cannot create its directory: {e.strerror}") from None
-    if not os.access(parent, os.W_OK):
-        raise InputError(field, path, f"{parent} is not writable")
-    return p
+from deltaserve.train.preflight import writable_file
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _calibrate(ns: argparse.Namespace) -> None:
-    out = _writable(ns.out, "out")
+    out = writable_file(ns.out, "out")
     host = create_host(ns.host, from_args(HostConfig, ns))
     try:
         lm = host.calibrate(from_args(LoRAConfig, ns), None, None, seed=ns.seed, progress=True)

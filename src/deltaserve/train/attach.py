@@ -21,13 +21,14 @@ from dataclasses import replace
 from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import CalibrationConfig
 from deltaserve.core.contract import TrainingHost
-from deltaserve.core.data import DataConfig, DatasetReport, TrainingSample, load_dataset
+from deltaserve.core.data import DataConfig, TrainingSample
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model.llama import LlamaModel
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.coserver import CoServer
+from deltaserve.train.preflight import preflight
 
 logger = logging.getLogger("deltaserve")
 
@@ -45,24 +46,21 @@ def resolve_config(config: CoServeConfig | None, slo: SLOConfig | None,
     return replace(config, **overrides) if overrides else config
 
 
-def resolve_samples(dataset: Dataset, host: TrainingHost) -> tuple[list[TrainingSample],
-                                                                   DatasetReport | None]:
+def resolve_samples(dataset: Dataset, host: TrainingHost,
+                    checkpoint_dir: str | None = None) -> list[TrainingSample]:
     """A path (Alpaca / chat / ShareGPT; samples up to one host step), a :class:`DataConfig`,
-    or samples already tokenized. What was dropped is logged, never silently."""
+    or samples already tokenized; checked (with the checkpoint directory) by the shared
+    preflight pass, so what was dropped is logged, never silent."""
     limit = min(host.limits.max_tokens_per_step, host.limits.max_model_len)
     if isinstance(dataset, (str, os.PathLike)):
         dataset = DataConfig(os.fspath(dataset), max_tokens=limit)
     if not isinstance(dataset, DataConfig):
-        return list(dataset), None
-    if host.tokenizer is None:
-        raise InputError("dataset", dataset.path, "tokenizing needs the model's tokenizer")
-    samples, report = load_dataset(dataset, host.tokenizer)
-    if report.num_dropped_overlength or report.num_bad_rows or report.num_dropped_no_loss:
-        logger.warning("dataset %s: %d samples; dropped %d longer than %d tokens, %d with no "
-                       "response tokens; skipped %d bad rows", dataset.path, report.num_samples,
-                       report.num_dropped_overlength, dataset.max_tokens,
-                       report.num_dropped_no_loss, report.num_bad_rows)
-    return samples, report
+        preflight(checkpoint_dir=checkpoint_dir)
+        return list(dataset)
+    checked = preflight(dataset=dataset, tokenizer=host.tokenizer,
+                        checkpoint_dir=checkpoint_dir)
+    assert checked.samples is not None
+    return checked.samples
 
 
 def attach(host: TrainingHost, *, dataset: Dataset, slo: SLOConfig | None = None,
@@ -82,7 +80,7 @@ def attach(host: TrainingHost, *, dataset: Dataset, slo: SLOConfig | None = None
                        "those of the forward that produced the activations)",
                        config.lora.dropout, dropout, dropout)
         config = replace(config, lora=replace(config.lora, dropout=dropout))
-    samples, _ = resolve_samples(dataset, host)
+    samples = resolve_samples(dataset, host, config.checkpoint.root)
     if isinstance(latency_model, (str, os.PathLike)):
         latency_model = LatencyModel.load(latency_model)
     if latency_model is None:

@@ -38,6 +38,12 @@ class WorkerLost:
 
 BackwardEvent = BackwardDone | BackwardFailed | WorkerLost | LayerDone
 
+# The usual cause when DeltaServe runs from a script: the process is spawned, so it imports the
+# script again, which starts a second engine and backward inside the child, and that fails.
+_MAIN_GUARD_HINT = (" If DeltaServe runs from a script, put the script's entry point under "
+                    "`if __name__ == \"__main__\":` (the backward runs in a spawned process, "
+                    "which imports the main module again); its own error is printed above.")
+
 
 class BackwardProcess:
     def __init__(self, spec: WorkerSpec, shared: SharedState):
@@ -122,7 +128,7 @@ class BackwardProcess:
         while not self.ready:
             if not self.process.is_alive():
                 raise RuntimeError(f"the backward process exited during start-up "
-                                   f"(exit code {self.process.exitcode})")
+                                   f"(exit code {self.process.exitcode}).{_MAIN_GUARD_HINT}")
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"the backward process did not start in {timeout_s:.0f} s")
             for ev in self.poll(timeout_s=0.05):

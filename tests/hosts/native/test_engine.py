@@ -130,3 +130,28 @@ def test_bad_requests(tiny):
         SamplingParams(top_p=0)
     with pytest.raises(InputError):
         EngineConfig(max_model_len=10_000, kv_cache_tokens=4096)
+
+
+def test_step_from_two_threads_at_once_is_refused(tiny):
+    """One thread drives a host; a second concurrent ``step()`` (say ``generate()`` while
+    ``run_loop`` runs) raises instead of corrupting the engine's state."""
+    import threading
+
+    eng = engine(tiny)
+    inside = threading.Event()
+    release = threading.Event()
+    real = eng._engine_step
+
+    def slow_step():
+        inside.set()
+        release.wait(10)
+        return real()
+
+    eng._engine_step = slow_step
+    t = threading.Thread(target=eng.step)
+    t.start()
+    assert inside.wait(10)
+    with pytest.raises(RuntimeError, match="another thread"):
+        eng.step()
+    release.set()
+    t.join()

@@ -15,12 +15,13 @@ import dataclasses
 import enum
 import types
 import typing
-from typing import Any
+from typing import TypeVar
 
 Namespace = argparse.Namespace
+T = TypeVar("T")
 
 
-def _unwrap(kind: Any) -> Any:
+def _unwrap(kind: object) -> object:
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         return next(a for a in typing.get_args(kind) if a is not type(None))
     return kind
@@ -61,7 +62,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                                 metavar=f.name.upper())
 
 
-def _default(f: dataclasses.Field) -> Any:
+def _default(f: dataclasses.Field) -> object:
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
@@ -69,10 +70,10 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def from_args(cls: type, ns: Namespace, dest: str = "", **given: Any) -> Any:
+def from_args(cls: type[T], ns: Namespace, dest: str = "", **given: object) -> T:
     """``cls`` built from the parsed flags (``given`` supplies fields that have no flag)."""
     hints = typing.get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     for f in dataclasses.fields(cls):
         if f.name in given:
             kwargs[f.name] = given[f.name]

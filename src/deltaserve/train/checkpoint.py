@@ -386,18 +386,3 @@ def _equal_tensors(x: object, y: object) -> bool:
     return (isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys()
             and all(isinstance(x[k], torch.Tensor) and isinstance(y[k], torch.Tensor)
                     and x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x))
-
-
-class TrainingLog:
-    """Appends one JSON line per optimizer step."""
-
-    def __init__(self, path: str | os.PathLike | None):
-        self.path = Path(path) if path else None
-        if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: JsonObject) -> None:
-        if self.path is None:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")

@@ -14,7 +14,7 @@ from deltaserve.core.admission import SchedulingView
 from deltaserve.core.calibration import CalibrationConfig, HostLimits, build_plan
 from deltaserve.core.contract import CoServingHooks, StepReport, TrainingHost, TrainingStep
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig, fit_from
-from deltaserve.core.shape import ExecMode, StepShape
+from deltaserve.core.shape import StepShape
 from deltaserve.model.attention import CausalSegments
 from deltaserve.model.llama import ForwardContext, LlamaModel
 from deltaserve.model.loading import load_weights
@@ -41,9 +41,6 @@ class FakeHost:
         self.rng = random.Random(0)
 
     # ---- TrainingHost -----------------------------------------------------------------------
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        return ExecMode.EAGER
-
     def backward_weights(self):
         return self.model.weights
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from deltaserve.core.admission import AdmissionPlan, SchedulingView
 from deltaserve.core.calibration import CalibrationConfig, HostLimits
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
-from deltaserve.core.shape import ExecMode, StepShape
+from deltaserve.core.shape import StepShape
 from deltaserve.core.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -210,10 +210,6 @@ class TrainingHost(Protocol):
     @property
     def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer (training files are tokenized with its chat template)."""
-        ...
-
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        """The mode the host will run ``shape`` in (graph replay or eager)."""
         ...
 
     def backward_weights(self) -> BaseWeights:

@@ -99,29 +99,3 @@ def test_adapter_rows_run_eager(tiny, tmp_path):
            for o in eng.generate(ps, SamplingParams(max_tokens=6), adapter="a")]
     assert got == want
     assert all(r.shape.mode is ExecMode.EAGER for r in log.records)
-
-
-def test_execution_mode_reports_graph_only_for_captured_decodes(tiny):
-    from deltaserve.core import StepShape
-
-    eng = engine(tiny)
-    assert eng.execution_mode(StepShape(num_decode=2, kv_tokens=20)) is ExecMode.EAGER  # CPU
-    with_static_graphs(eng)
-    assert eng.execution_mode(StepShape(num_decode=2, kv_tokens=20)) is ExecMode.GRAPH
-    assert eng.execution_mode(StepShape((5,), num_decode=2, kv_tokens=20)) is ExecMode.EAGER
-    assert eng.execution_mode(StepShape(num_decode=9, kv_tokens=90)) is ExecMode.EAGER
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_graphs_replay_the_eager_engine_on_cuda(tiny):
-    ps = prompts(7, seed=5)
-    eager = engine(tiny, device="cuda", cuda_graphs=False)
-    want = [list(o.output_token_ids) for o in eager.generate(ps, SamplingParams(max_tokens=20))]
-    eng = engine(tiny, device="cuda")
-    assert eng.runner.graphs is not None
-    assert eng.runner.graphs.num_captured == len(buckets_up_to(8)) * len(buckets_up_to(64))
-    log = StepLog(eng)
-    got = [list(o.output_token_ids) for o in eng.generate(ps, SamplingParams(max_tokens=20))]
-    assert got == want
-    assert sum(r.shape.mode is ExecMode.GRAPH for r in log.records) >= 10

@@ -16,7 +16,6 @@ import torch
 from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
 from deltaserve.core.contract import StepReport, TrainingStep
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
-from deltaserve.core.shape import ExecMode, StepShape
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.base import BaseHost, ClientRequest
 from deltaserve.hosts.native.adapters import AdapterRegistry
@@ -87,16 +86,6 @@ class LLMEngine(BaseHost):
     @property
     def model_config(self) -> ModelConfig:
         return self.model.config
-
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        """The mode of the step the runner would pick for ``shape``; the shape does not say
-        which rows carry adapters, so this assumes base-model requests (each step reports the
-        mode it actually ran)."""
-        g = self.runner.graphs
-        if g is None or not shape.is_decode_only or not shape.num_decode:
-            return ExecMode.EAGER
-        longest = -(-shape.kv_tokens // shape.num_decode) + 1
-        return ExecMode.EAGER if g.bucket(shape.num_decode, longest) is None else ExecMode.GRAPH
 
     def backward_weights(self) -> BaseWeights:
         return self.model.weights  # shared memory on CPU, CUDA IPC on a GPU: no copy

@@ -35,7 +35,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,7 +65,7 @@ logger = logging.getLogger("deltaserve.checkpoint")
 class CheckpointConfig:
     """``root`` None disables checkpoints. ``every_steps``: optimizer steps between two."""
 
-    root: str | None = None
+    root: str | None = field(default=None, metadata={"flag": "dir"})
     every_steps: int = 50
     keep: int = 2
     resume: bool = True

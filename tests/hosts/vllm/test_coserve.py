@@ -22,7 +22,9 @@ from deltaserve.core import Equation, ExecMode, SLOConfig  # noqa: E402
 from deltaserve.core.admission import AdmissionConfig  # noqa: E402
 from deltaserve.core.requests import SamplingParams  # noqa: E402
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig  # noqa: E402
+from deltaserve.hosts.vllm.hidden import HiddenKind  # noqa: E402
 from deltaserve.model.loading import resolve_model  # noqa: E402
+from deltaserve.model.peft_io import load_adapter  # noqa: E402
 from deltaserve.train.checkpoint import CheckpointConfig, find_latest  # noqa: E402
 from deltaserve.train.config import BackwardConfig  # noqa: E402
 from deltaserve.train.optim import OptimizerConfig  # noqa: E402
@@ -42,10 +44,10 @@ from tests.hosts.vllm.common import (  # noqa: E402
 )
 from tests.train.fixtures import Recorder  # noqa: E402
 
-# The first test pays for the module's engine start and its calibration through vLLM (about
-# 2-4 minutes on a quiet 2-core machine); beside other tenants' test runs that once took longer
-# than pytest's 600 s default, so this module's tests get 1500 s each.
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
+# The first test pays for the module's engine start and its calibration through vLLM: measured
+# 20 minutes (1409 s for the first two tests) on the 2 shared cores at load 10, past pytest's
+# 600 s default, so this module's tests get 2700 s each.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2700)]
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +115,16 @@ def test_outputs_identical_with_and_without_coserving(host, latency):
         finish_epoch(host, co)
         assert sorted(rec.committed_ids) == list(range(12))  # exactly once
         assert spies.num_reports == spies.num_plans  # every planned step reported once
-        assert all(not r.aborted for r in spies.reports)
+        # only training-only steps are cut short (by an arrival); vLLM ran every mixed step's
+        # samples whole
+        aborted = [r for r in spies.reports if r.aborted]
+        print(f"{len(spies.reports)} steps with samples, {len(aborted)} cut short")
+        assert all(r.step.abortable and not r.shape.has_inference for r in aborted)
     finally:
         engine.close()
         host.detach(drain=False, checkpoint=False)
     assert not host.has_unfinished() and host.engine.get_num_unfinished_requests() == 0
-    assert not host.scheduler.has_client_work()  # no hidden request left behind
+    assert host.scheduler.hidden.live() == []  # no hidden request left behind
 
 
 def test_reserved_slot_trains_and_checkpoint_loads_in_vllm_and_peft(host, latency, tmp_path):
@@ -148,8 +154,12 @@ def test_reserved_slot_trains_and_checkpoint_loads_in_vllm_and_peft(host, latenc
     ckpt = find_latest(tmp_path / "ck")
     assert ckpt is not None
 
-    # vLLM loads the checkpoint as an ordinary LoRA (what --lora-modules does), and its logits
-    # equal those of the reserved slot and of peft on the same text
+    # the slot holds exactly the checkpoint's adapter, and vLLM loads the checkpoint as an
+    # ordinary LoRA (what --lora-modules does) whose logits equal peft's on the same text
+    # (clients cannot name the slot itself: requests on the training adapter are refused)
+    from_disk = load_adapter(ckpt, host.model_config)
+    torch.testing.assert_close(read_slot(host, LORA).flat, from_disk.flat, rtol=0, atol=1e-6)
+    assert not torch.allclose(from_disk.flat, before)
     text = "Question 3: what is 3 plus 4? Answer: 7. That is all."
     ids = host.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -160,19 +170,55 @@ def test_reserved_slot_trains_and_checkpoint_loads_in_vllm_and_peft(host, latenc
         return torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
 
     from_ckpt = vllm_logprobs(LoRARequest("ckpt", 7, str(ckpt)))
-    from_slot = vllm_logprobs(host.link.train_lora)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2"), dtype=torch.float32)
     peft = PeftModel.from_pretrained(hf, ckpt).eval()
     with torch.no_grad():
         logits = peft(torch.tensor([ids])).logits[0, :-1].float()
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     base = vllm_logprobs(None)
-    print(f"logprobs: checkpoint-as-LoRA vs reserved slot {(from_ckpt - from_slot).abs().max():.1e}"
-          f", vs peft {(from_ckpt - want).abs().max():.1e}; base vs peft "
-          f"{(base - want).abs().max():.1e}")
+    print(f"logprobs: checkpoint-as-LoRA vs peft {(from_ckpt - want).abs().max():.1e}; base vs "
+          f"peft {(base - want).abs().max():.1e}")
     assert (base - want).abs().max() > 1e-2  # the adapter matters for this text
-    torch.testing.assert_close(from_ckpt, from_slot, rtol=0, atol=1e-4)
     torch.testing.assert_close(from_ckpt, want, rtol=0, atol=2e-3)
+
+
+def test_requests_naming_the_training_adapter_are_refused(host, latency, tmp_path):
+    """By id or by name, from any client of vLLM's engine (here ``vllm.LLM.generate``, the same
+    engine-core path as the API server): the request ends aborted with no output, and the
+    host's own API refuses the reserved name."""
+    from vllm.lora.request import LoRARequest
+
+    from deltaserve.core.errors import InputError
+    from deltaserve.hosts.vllm.train_adapter import TRAIN_ADAPTER_ID, TRAIN_ADAPTER_NAME
+    from deltaserve.model.peft_io import save_adapter
+
+    co, _ = coserve(host, latency, samples(host.tokenizer, 4))
+    try:
+        path = str(save_adapter(tmp_path / "a", co.adapter, host.model_path))
+        with pytest.raises(InputError, match="reserved"):
+            host.add_lora(TRAIN_ADAPTER_NAME, path)
+        params = vllm.SamplingParams(max_tokens=4, temperature=0.0)
+        for lora in (LoRARequest("client", TRAIN_ADAPTER_ID, path),
+                     LoRARequest(TRAIN_ADAPTER_NAME, 9, path)):
+            (out,) = host.llm.generate(["Hello"], params, lora_request=lora, use_tqdm=False)
+            assert out.finished and out.outputs[0].finish_reason == "abort", lora
+            assert not out.outputs[0].token_ids
+        # a client adapter with an ordinary id still serves
+        (ok,) = host.llm.generate(["Hello"], params, lora_request=LoRARequest("c", 9, path),
+                                  use_tqdm=False)
+        assert len(ok.outputs[0].token_ids) == 4
+    finally:
+        host.detach(drain=False, checkpoint=False)
+
+
+def test_hidden_requests_carry_their_own_full_strength_salt(host):
+    hidden = host.scheduler.hidden
+    reqs = [hidden.add(HiddenKind.SAMPLE, [1, 2, 3]) for _ in range(3)]
+    try:
+        salts = [r.cache_salt for r in reqs]
+        assert len(set(salts)) == 3 and all(len(s) == 32 and int(s, 16) >= 0 for s in salts)
+    finally:
+        hidden.abort([r.request_id for r in reqs])
 
 
 def test_gradients_from_vllm_activations_equal_peft(host, latency):
@@ -211,7 +257,7 @@ def test_arrival_aborts_training_only_step_at_a_layer_boundary(host, latency):
         assert spies.num_reports == spies.num_plans
     finally:
         host.detach(drain=False, checkpoint=False)
-    assert not host.scheduler.has_client_work()
+    assert host.scheduler.hidden.live() == []
 
 
 def test_samples_vllm_does_not_take_whole_go_back_to_the_pool(host, latency):
@@ -242,4 +288,4 @@ def test_samples_vllm_does_not_take_whole_go_back_to_the_pool(host, latency):
     finally:
         sched.max_num_scheduled_tokens = budget
         host.detach(drain=False, checkpoint=False)
-    assert not host.scheduler.has_client_work()  # the partly run request was retired
+    assert sched.hidden.live() == []  # the partly run request was retired

@@ -17,7 +17,8 @@ Passed to vLLM as ``scheduler_cls``. Per step (vLLM's ``EngineCore.step``):
 
 Every ``plan`` is reported exactly once: a step vLLM never finished (an error in the forward, a
 shutdown) is reported aborted before the next one is planned. Requests that name the training
-adapter (by vLLM id or name) are refused: vLLM's engine aborts them as they arrive.
+adapter (by vLLM id or name) are refused: finished as aborted before they are ever scheduled,
+their client told so in the next step's outputs (as vLLM reports the requests it fails).
 
 Supports vLLM's synchronous scheduling only (the default on CPU): with async scheduling the
 next ``schedule()`` runs before the previous ``update_from_output()``.
@@ -35,7 +36,7 @@ from vllm.config import VllmConfig
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -93,23 +94,29 @@ class CoServingScheduler(Scheduler):
         # so vLLM's "no work left" shutdown condition can be met.
         self._halted = False
         self._dispatched: _Dispatched | None = None
+        self._refused: list[tuple[int, EngineCoreOutput]] = []  # (client, final output)
         self._warned_mlp = False
 
     # ---- arrivals ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id not in self.hidden and names_training_adapter(request.lora_request):
-            # Raising here would stop vLLM's engine; the engine core aborts the request instead
-            # right after this call (its client sees finish reason "abort").
-            logger.warning("request %s names the reserved training adapter (%s); refused",
-                           request.request_id, TRAIN_ADAPTER_NAME)
-            request.abort_immediately = True
-            super().add_request(request)
-            return
         super().add_request(request)
+        if request.request_id not in self.hidden and names_training_adapter(request.lora_request):
+            self._refuse(request)
+            return
         self._halted = False
         co = self.link.coserver
         if co is not None:
             co.on_arrival()
+
+    def _refuse(self, request: Request) -> None:
+        """Finish a request on the training adapter before it runs (raising here would stop
+        vLLM's engine); its client gets an empty output, finish reason ``abort``."""
+        logger.warning("request %s names the reserved training adapter (%s, id %d); refused",
+                       request.request_id, TRAIN_ADAPTER_NAME,
+                       request.lora_request.lora_int_id if request.lora_request else -1)
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+        self._refused.append((request.client_index, EngineCoreOutput(
+            request.request_id, [], finish_reason=request.get_finished_reason())))
 
     # ---- the engine loop keeps stepping while training or calibration has work ---------------
     def has_requests(self) -> bool:
@@ -209,6 +216,9 @@ class CoServingScheduler(Scheduler):
                            ) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self.hidden.filter_outputs(outputs)
+        for client, out in self._refused:
+            outputs.setdefault(client, EngineCoreOutputs()).outputs.append(out)
+        self._refused.clear()
         now = time.time()
         for eco in outputs.values():
             for out in eco.outputs:

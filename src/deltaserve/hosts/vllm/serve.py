@@ -97,7 +97,7 @@ def serve_spec(args: argparse.Namespace, flags: Flags) -> ServeSpec:
             raise InputError(flags[dest], None, "required: the objective in seconds")
     coserve: CoServeConfig = checked_from_args(CoServeConfig, args, flags, "finetune.")
     if coserve.backward.buffer_save is not BufferSave.RESIDUAL:
-        raise InputError(flags["finetune.backward.buffer_save"], coserve.backward.buffer_save,
+        raise InputError(flags["finetune.backward.buffer_save"], coserve.backward.buffer_save.value,
                          "the vLLM host captures the residual stream only")
     lora_rank_for(coserve.lora.r)
     data = checked_from_args(DataConfig, args, flags, "finetune_data.",

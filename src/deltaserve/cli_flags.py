@@ -17,6 +17,8 @@ import types
 import typing
 from typing import TypeVar
 
+from deltaserve.core.errors import InputError
+
 Namespace = argparse.Namespace
 T = TypeVar("T")
 
@@ -32,19 +34,23 @@ def _nested_prefix(f: dataclasses.Field, prefix: str) -> str:
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-                        prefix: str = "", dest: str = "", skip: tuple[str, ...] = ()) -> None:
-    """One flag per (nested) field of ``cls``; ``dest`` keys are the fields' dotted paths."""
+                        prefix: str = "", dest: str = "", skip: tuple[str, ...] = ()
+                        ) -> dict[str, str]:
+    """One flag per (nested) field of ``cls``; ``dest`` keys are the fields' dotted paths.
+    Returns each flag by its ``dest`` (for :func:`checked_from_args`)."""
     hints = typing.get_type_hints(cls)
+    flags: dict[str, str] = {}
     for f in dataclasses.fields(cls):
         if f.name in skip or f.metadata.get("cli") is False:
             continue
         kind = _unwrap(hints[f.name])
         path = f"{dest}{f.name}"
         if dataclasses.is_dataclass(kind):
-            add_dataclass_flags(parser, kind, _nested_prefix(f, prefix), f"{path}.",
-                                tuple(f.metadata.get("skip", ())))
+            flags.update(add_dataclass_flags(parser, kind, _nested_prefix(f, prefix), f"{path}.",
+                                             tuple(f.metadata.get("skip", ()))))
             continue
         flag = "--" + prefix + f.metadata.get("flag", f.name.replace("_", "-"))
+        flags[path] = flag
         default = _default(f)
         help_text = f.metadata.get("help", "") + (f" (default: {default})"
                                                   if default is not None else "")
@@ -60,6 +66,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         else:
             parser.add_argument(flag, dest=path, type=kind, default=default, help=help_text,
                                 metavar=f.name.upper())
+    return flags
 
 
 def _default(f: dataclasses.Field) -> object:
@@ -86,3 +93,43 @@ def from_args(cls: type[T], ns: Namespace, dest: str = "", **given: object) -> T
             value = getattr(ns, path)
             kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)
+
+
+def checked_from_args(cls: type, ns: Namespace, flags: dict[str, str], dest: str = "",
+                      **given: Any) -> Any:
+    """:func:`from_args`, with a config error re-raised naming the flag that set the value."""
+    try:
+        return from_args(cls, ns, dest, **given)
+    except InputError as e:
+        flag = flag_of(e, flags, ns)
+        if flag is None:
+            raise
+        raise InputError(flag, e.value, e.reason) from e
+
+
+def flag_of(error: InputError, flags: dict[str, str], ns: Namespace) -> str | None:
+    """The flag behind a config error: the one whose field path ends with the error's field
+    name (``lora.r`` for ``lora_r``), else whose path holds every word of it
+    (``checkpoint.every_steps`` for ``checkpoint_every``), else the only one of those (or of
+    all) that holds the offending value."""
+    field = error.field.replace("-", "_")
+    for match in (lambda d: d.replace(".", "_") == field or d.rsplit(".", 1)[-1] == field
+                  or d.replace(".", "_").endswith("_" + field),
+                  lambda d: _words(field) <= _words(d)):
+        named = [d for d in flags if match(d)]
+        if len(named) == 1:
+            return flags[named[0]]
+        if named:
+            break
+    holding = [d for d in (named or flags) if _same(getattr(ns, d, None), error.value)]
+    return flags[holding[0]] if len(holding) == 1 else None
+
+
+def _words(name: str) -> set[str]:
+    return {w.removesuffix("s") for w in name.replace(".", "_").split("_") if w}
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, list):
+        a = tuple(a)
+    return type(a) is type(b) and a == b

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from deltaserve.core.contract import StepRecord, StepReport, TrainingStep
 
 
@@ -26,6 +28,8 @@ class SpyStep:
     after_capture: Callable[[SpyStep, int], None] | None = None
     verdicts: list[bool] = field(default_factory=list)
     captured: list[int] = field(default_factory=list)
+    keep_hidden: bool = False
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> rows (keep_hidden)
 
     @property
     def plan(self):
@@ -46,6 +50,8 @@ class SpyStep:
     def capture(self, layer, hidden):
         self.inner.capture(layer, hidden)
         self.captured.append(layer)
+        if self.keep_hidden:
+            self.hidden[layer] = hidden.detach().clone()
         if self.after_capture is not None:
             self.after_capture(self, layer)
 
@@ -60,24 +66,29 @@ class SpyStep:
 
 class StepSpies:
     """Wraps ``co.plan``/``co.observe`` on one co-server: ``steps`` holds every step handed to
-    the host that carried training rows, ``reports`` what the host reported for them."""
+    the host that carried training rows, ``reports`` what the host reported for them;
+    ``num_plans``/``num_reports`` count every step, with rows or not. ``keep_hidden``: each
+    spy keeps the rows the host captured, per layer."""
 
-    def __init__(self, co, after_capture=None):
+    def __init__(self, co, after_capture=None, keep_hidden=False):
         self.steps: list[SpyStep] = []
         self.reports: list[StepReport] = []
+        self.num_plans = self.num_reports = 0
         self.after_capture = after_capture
         plan, observe = co.plan, co.observe
 
         def spy_plan(view):
             busy = co.backward_busy
             step = plan(view)
+            self.num_plans += 1
             if not step.rows.num_samples:
                 return step
-            spy = SpyStep(step, busy, self._after_capture)
+            spy = SpyStep(step, busy, self._after_capture, keep_hidden=keep_hidden)
             self.steps.append(spy)
             return spy
 
         def spy_observe(report):
+            self.num_reports += 1
             if isinstance(report.step, SpyStep):
                 self.reports.append(report)
                 report = StepReport(report.step.inner, report.shape, report.seconds,
@@ -91,5 +102,5 @@ class StepSpies:
             self.after_capture(spy, layer)
 
 
-def spy_steps(co, after_capture=None) -> StepSpies:
-    return StepSpies(co, after_capture)
+def spy_steps(co, after_capture=None, keep_hidden=False) -> StepSpies:
+    return StepSpies(co, after_capture, keep_hidden)

@@ -35,7 +35,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -68,7 +68,7 @@ class CheckpointConfig:
     ``retry_s``: after a failed write (a full disk), seconds before the next attempt; training
     waits meanwhile."""
 
-    root: str | None = None
+    root: str | None = field(default=None, metadata={"flag": "dir"})
     every_steps: int = 50
     keep: int = 2
     resume: bool = True

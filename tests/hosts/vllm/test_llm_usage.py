@@ -1,5 +1,6 @@
-"""The documented Python usage with ``vllm.LLM`` (its own in-process engine: vLLM's distributed
-state is per process, so in-process engines run one after another)."""
+"""The documented Python usage with ``vllm.LLM`` (its own in-process engine, wrapped by a
+:class:`VLLMHost`: vLLM's distributed state is per process, so in-process engines run one after
+another)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,25 @@ vllm = pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-c
 
 from deltaserve.core import SLOConfig  # noqa: E402
 from deltaserve.hosts.vllm import (  # noqa: E402
+    VLLMHost,
     VLLMHostConfig,
-    attach,
-    detach,
     engine_kwargs,
     train_while_idle,
 )
-from deltaserve.model.loading import load_tokenizer, resolve_model  # noqa: E402
-from tests.hosts.vllm.common import LORA, PROMPTS, samples  # noqa: E402
+from deltaserve.model.loading import resolve_model  # noqa: E402
+from deltaserve.train.config import BackwardConfig  # noqa: E402
+from tests.hosts.spies import spy_steps  # noqa: E402
+from tests.hosts.vllm.common import ENGINE, LORA, PROMPTS, samples  # noqa: E402
 from tests.train import fixtures as fx  # noqa: E402
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]  # engine start: see test_coserve
 
 
 @pytest.fixture(scope="module")
 def llm():
     threads = (torch.set_num_threads, torch.get_num_threads())
-    engine = vllm.LLM(model=str(resolve_model("smollm2")), **engine_kwargs(VLLMHostConfig(
-        max_num_batched_tokens=256, max_model_len=512, max_num_seqs=16)))
+    engine = vllm.LLM(model=str(resolve_model("smollm2")),
+                      **engine_kwargs(VLLMHostConfig(**ENGINE)))
     yield engine
     engine.llm_engine.engine_core.shutdown()
     torch.set_num_threads = threads[0]  # vLLM's CPU worker disabled it for the process
@@ -38,19 +40,22 @@ def llm():
 
 def test_training_rides_in_generate_and_idle_steps(llm):
     """``llm.generate`` outputs are those of the same engine without co-serving; training rides
-    in its steps and, through ``train_while_idle``, in training-only steps."""
+    in its steps and, through ``train_while_idle``, in training-only steps until every sample
+    is committed, once."""
     params = vllm.SamplingParams(max_tokens=6, temperature=0.0)
     base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
-    tok = load_tokenizer(resolve_model("smollm2"))
-    co = attach(llm, dataset=samples(tok, 6), slo=SLOConfig(30.0, 30.0),
-                latency_model=fx.latency_model(), lora=LORA, backward_batch_tokens=64,
-                progress=False)
+    host = VLLMHost(llm=llm)
+    co = host.attach(dataset=samples(host.tokenizer, 6), slo=SLOConfig(30.0, 30.0),
+                     latency_model=fx.latency_model(), lora=LORA,
+                     backward=BackwardConfig(batch_tokens=64), progress=False)
+    rec = fx.Recorder(co)
+    spies = spy_steps(co)
     try:
         outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == base
-        assert co.stats().ft_tokens_forwarded > 0  # samples rode in generate's steps
-        train_while_idle(llm, seconds=180, until=lambda c: c.pool.progress().finished
-                         and not c.has_pending_training)
-        assert co.stats().ft_samples_committed == 6
+        assert any(r.shape.has_inference for r in spies.reports)  # rode in generate's steps
+        train_while_idle(host, seconds=300)
+        assert sorted(rec.committed_ids) == list(range(6))
+        assert spies.num_reports == spies.num_plans
     finally:
-        assert detach(llm) is co
+        assert host.detach() is co

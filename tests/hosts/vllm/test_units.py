@@ -1,5 +1,6 @@
-"""Parts of the vLLM host that need no engine: the version pin, the plugin, the weight views the
-backward maps on GPU, and the adapter layout written into vLLM's stacked LoRA tensors."""
+"""Parts of the vLLM host that need no engine: the version pin, the plugin, the config, the weight
+views the backward maps on GPU, the adapter layout written into vLLM's stacked LoRA tensors, the
+training adapter's reserved id and name, and the hidden requests' cache salt."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ import pytest
 import torch
 from torch import nn
 
+from deltaserve.core.errors import InputError
+from deltaserve.hosts.config import HostConfig
 from deltaserve.hosts.vllm import plugin
-from deltaserve.hosts.vllm.publish import PACKED, AdapterPublisher
+from deltaserve.hosts.vllm.config import (
+    VLLM_LORA_RANKS,
+    VLLMHostConfig,
+    engine_kwargs,
+    lora_rank_for,
+)
 from deltaserve.hosts.vllm.version import (
     ACTIVE_ENV,
     SUPPORTED_VERSIONS,
@@ -117,6 +125,9 @@ class _FakeLoRALayer:
 
 
 def test_publish_writes_vllm_layout_with_scaling_folded_into_b():
+    pytest.importorskip("vllm", reason="the publisher imports vLLM's LoRA types")
+    from deltaserve.hosts.vllm.publish import PACKED, AdapterPublisher
+
     lora = LoRAConfig(r=4, alpha=12.0, dropout=0.0,
                       target_modules=("q_proj", "v_proj", "o_proj", "up_proj"))
     h, q, kv, i = CFG.hidden_size, CFG.q_size, CFG.kv_size, CFG.intermediate_size
@@ -131,7 +142,7 @@ def test_publish_writes_vllm_layout_with_scaling_folded_into_b():
     manager = SimpleNamespace(lora_index_to_id=[None, 42], modules=modules,
                               get_adapter=lambda _id: SimpleNamespace(get_lora=cpu.get))
     pub = AdapterPublisher(SimpleNamespace(lora_manager=SimpleNamespace(
-        _adapter_manager=manager)), 42)
+        _adapter_manager=manager)), 42, lora)
     ad = AdapterWeights(CFG, lora)
     with torch.no_grad():
         ad.flat.copy_(torch.randn(ad.numel))
@@ -146,11 +157,19 @@ def test_publish_writes_vllm_layout_with_scaling_folded_into_b():
     assert torch.allclose(up.lora_b_stacked[1][1, 0, :, :4], ad.b(0, "up_proj") * 3.0)
     assert torch.allclose(cpu["model.layers.0.self_attn.o_proj"].lora_b[0],
                           ad.b(0, "o_proj") * 3.0)
-    back = pub.read(CFG, lora)
-    torch.testing.assert_close(back.flat, ad.flat)
+    # every published weight, read back from vLLM's layout, is the adapter's
+    for layer, module, a, b in ad.items():
+        packed, s = next((p, parts.index(module)) for p, parts in PACKED if module in parts)
+        m = modules[f"model.layers.{layer}.{packed}"]
+        assert torch.equal(m.lora_a_stacked[s][1, 0, :4, : a.shape[1]], a)
+        assert torch.allclose(m.lora_b_stacked[s][1, 0, : b.shape[0], :4] / 3.0, b)
+    other = LoRAConfig(r=8, alpha=16.0, dropout=0.0)
+    with pytest.raises(ValueError, match="reserved slot holds"):
+        pub.publish(AdapterWeights(CFG, other))  # another config needs another reservation
 
 
 def test_serving_caps_uninterruptible_training_steps_by_ttft():
+    pytest.importorskip("vllm", reason="the engine-process co-server imports vLLM")
     from deltaserve.core import StepShape
     from deltaserve.hosts.vllm.remote import UNINTERRUPTIBLE_TTFT_SHARE, uninterruptible_cap
     from tests.train import fixtures as fx
@@ -163,3 +182,94 @@ def test_serving_caps_uninterruptible_training_steps_by_ttft():
     assert lm.predict_upper(StepShape(ft_lens=(cap,))) <= limit
     assert lm.predict_upper(StepShape(ft_lens=(cap + 1,))) > limit
     assert uninterruptible_cap(lm, 100.0, 256) == 256
+
+
+def test_host_config_adds_only_vllms_knobs_and_derives_the_lora_rank():
+    common = HostConfig(model="smollm2", dtype="float32", max_num_batched_tokens=128,
+                        kv_cache_tokens=4096)
+    cfg = VLLMHostConfig(**{f: getattr(common, f) for f in HostConfig.__dataclass_fields__})
+    assert cfg.common() == common
+    kw = engine_kwargs(cfg, model_limit=8192)
+    # the common knobs reach vLLM as every host reads them
+    assert kw["max_model_len"] == common.model_len(8192) == 4096
+    assert kw["num_gpu_blocks_override"] * kw["block_size"] == 4096
+    assert kw["dtype"] == "float32" and kw["max_num_batched_tokens"] == 128
+    assert kw["max_lora_rank"] == lora_rank_for(LoRAConfig().r) == 16
+    assert kw["async_scheduling"] is False and kw["enable_lora"] is True
+    assert [lora_rank_for(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+    with pytest.raises(InputError, match="lora_r"):
+        lora_rank_for(VLLM_LORA_RANKS[-1] + 1)
+    with pytest.raises(InputError, match="max_lora_rank"):
+        VLLMHostConfig(max_lora_rank=12)
+    with pytest.raises(InputError, match="engine"):
+        VLLMHostConfig(engine={"scheduler_cls": "x"})
+
+
+def test_training_adapter_id_is_one_vllms_api_server_never_issues():
+    """vLLM's OpenAI server (its real ``OpenAIServingModels``, over a stand-in engine client)
+    numbers the adapters it loads from 1, one id per load attempt, failed and repeated ones
+    included: after N attempts every id it handed the engine is at most N. The reserved id is
+    the largest int64 (vLLM keeps ids in int64 arrays), so it would take 2**63 - 1 loads; and
+    requests naming it, or the reserved name, are recognised whatever the other field says."""
+    pytest.importorskip("vllm", reason="drives vLLM's own API-server adapter registry")
+    import asyncio
+
+    from vllm.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
+    from vllm.entrypoints.serve.lora.protocol import (
+        LoadLoRAAdapterRequest,
+        UnloadLoRAAdapterRequest,
+    )
+    from vllm.lora.request import LoRARequest
+
+    from deltaserve.hosts.base import RESERVED_ADAPTER_PREFIX
+    from deltaserve.hosts.vllm.train_adapter import (
+        TRAIN_ADAPTER_ID,
+        TRAIN_ADAPTER_NAME,
+        names_training_adapter,
+    )
+
+    handed: list[int] = []
+
+    async def add_lora(req):
+        handed.append(req.lora_int_id)
+        if req.lora_name.endswith("-bad"):
+            raise RuntimeError("cannot load")
+
+    client = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512), renderer=None,
+                             input_processor=None, add_lora=add_lora)
+    models = OpenAIServingModels(client, [BaseModelPath("base", "/base")])
+
+    async def churn() -> int:
+        attempts = 0
+        for i in range(300):
+            name = f"a{i % 50}" + ("-bad" if i % 7 == 0 else "")
+            await models.load_lora_adapter(LoadLoRAAdapterRequest(
+                lora_name=name, lora_path=f"/p/{i}", load_inplace=True))
+            attempts += 1
+            if i % 5 == 0 and name in models.lora_requests:
+                await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+        return attempts
+
+    attempts = asyncio.run(churn())
+    assert handed and min(handed) >= 1 and max(handed) <= attempts
+    assert TRAIN_ADAPTER_ID == 2**63 - 1 and TRAIN_ADAPTER_ID not in handed
+    assert LoRARequest("x", TRAIN_ADAPTER_ID, "/p").lora_int_id == TRAIN_ADAPTER_ID  # accepted
+    assert TRAIN_ADAPTER_NAME.startswith(RESERVED_ADAPTER_PREFIX)
+    assert names_training_adapter(LoRARequest("client", TRAIN_ADAPTER_ID, "/p"))
+    assert names_training_adapter(LoRARequest(TRAIN_ADAPTER_NAME, 5, "/p"))
+    assert not names_training_adapter(LoRARequest("client", 5, "/p"))
+    assert not names_training_adapter(None)
+
+
+def test_hidden_requests_cache_salt_is_full_strength():
+    pytest.importorskip("vllm", reason="the hidden requests module imports vLLM")
+    from deltaserve.hosts.vllm.hidden import SALT_BYTES, new_salt
+
+    salts = [new_salt() for _ in range(2000)]
+    assert SALT_BYTES >= 16
+    assert all(len(s) == 2 * SALT_BYTES and int(s, 16) >= 0 for s in salts)  # 128-bit hex
+    assert len(set(salts)) == len(salts)
+    # uniform bits: each of the 128 bit positions is set in about half the salts (a 32-bit
+    # salt padded to 128 would leave 96 positions at 0)
+    ones = [sum(int(s, 16) >> b & 1 for s in salts) for b in range(8 * SALT_BYTES)]
+    assert min(ones) > 800 and max(ones) < 1200

@@ -12,21 +12,19 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from deltaserve.core.admission import AdmissionPlan
 from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, build_plan
-from deltaserve.core.contract import TrainingRows
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.requests import SamplingParams
 from deltaserve.core.shape import StepShape
 from deltaserve.hosts.native.request import Request
 from deltaserve.hosts.native.scheduler import ScheduledBatch, ScheduledItem
 from deltaserve.hosts.native.view import step_shape
+from deltaserve.hosts.probe import ProbeStep, probe_step, random_rows
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 
 if TYPE_CHECKING:  # the engine calls this module
@@ -67,35 +65,11 @@ class _Probe:
             self.engine.sampler.forget(req.request_id)
 
 
-@dataclass(frozen=True, eq=False)
-class _ProbeStep:
-    """A stand-in :class:`~deltaserve.core.contract.TrainingStep` for timing: random training
-    rows whose captures go to a scratch buffer of the co-server's size, so the copy is timed."""
-
-    plan: AdmissionPlan
-    rows: TrainingRows
-    scratch: torch.Tensor
-    abortable: bool = False
-    saves_mlp: bool = False
-
-    def capture(self, layer: int, hidden: torch.Tensor) -> None:
-        self.scratch[layer, : hidden.shape[0]].copy_(hidden)
-
-    def capture_mlp(self, layer: int, gate: torch.Tensor, up: torch.Tensor) -> None:
-        """Not timed: the calibration buffer keeps the residual stream only."""
-
-    def should_abort(self) -> bool:
-        return False
-
-
 def _probe_step(shape: StepShape, vocab: int, lora: LoRAConfig, rng: random.Random,
-                scratch: torch.Tensor) -> _ProbeStep | None:
+                scratch: torch.Tensor) -> ProbeStep | None:
     if not shape.ft_lens:
         return None
-    rows = TrainingRows(tuple(tuple(rng.randrange(vocab) for _ in range(n))
-                              for n in shape.ft_lens), lora.dropout,
-                        tuple(range(len(shape.ft_lens))))
-    return _ProbeStep(AdmissionPlan((), shape, None, 0.0, None), rows, scratch)
+    return probe_step(random_rows(shape.ft_lens, vocab, rng), shape, lora.dropout, scratch)
 
 
 def time_probe(engine: LLMEngine, probe: CalibrationProbe, lora: LoRAConfig,

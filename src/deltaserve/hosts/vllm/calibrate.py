@@ -14,7 +14,9 @@ that vLLM schedules like any other, and every timed point is the shape vLLM actu
 Each probe runs one untimed warm-up step and then ``repeats`` timed steps. The run is a
 generator the scheduler advances once per step, so the same code serves an in-process host
 (which drives ``llm_engine.step()`` until it is done) and the engine process of
-``deltaserve serve`` (whose busy loop steps it before the API server accepts requests).
+``deltaserve serve`` (whose busy loop steps it before the API server accepts requests). The
+training rows of a probe are a :class:`~deltaserve.hosts.probe.ProbeStep` handed to the
+worker's hooks like a co-server's step.
 """
 
 from __future__ import annotations
@@ -23,79 +25,90 @@ import math
 import random
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from vllm.lora.request import LoRARequest
+from vllm.v1.core.sched.scheduler import Scheduler
 
 from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, HostLimits, build_plan
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.shape import StepShape
-from deltaserve.hosts.vllm.hidden import HiddenKind
-from deltaserve.hosts.vllm.registry import ForwardRecord, TrainingRows
+from deltaserve.hosts.probe import probe_step, random_rows
+from deltaserve.hosts.vllm.hidden import HiddenKind, HiddenRequests, new_salt
+from deltaserve.hosts.vllm.link import RowLayout
 from deltaserve.hosts.vllm.view import Executed
+from deltaserve.model.config import ModelConfig
 
 # Set-up steps a probe may take beyond what its token count needs before it is skipped (a probe
 # can stall when vLLM preempts or defers its requests).
 _STEP_SLACK = 16
+ProbeDone = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a calibration run needs to know about the engine it runs on."""
+
+    limits: HostLimits
+    model_config: ModelConfig
+    dtype: torch.dtype
+    block_size: int
+    prefix_caching: bool
 
 
 @dataclass(frozen=True)
 class StepResult:
     shape: StepShape
     seconds: float
-    forward: ForwardRecord | None
 
 
 class CalibrationRun:
-    """One pass over the calibration plan, advanced by the scheduler step by step."""
+    """One pass over the calibration plan, advanced by the scheduler step by step. The
+    training adapter (``train_lora``) must be reserved; ``on_done`` is called with the fitted
+    model."""
 
-    def __init__(self, limits: HostLimits, config: CalibrationConfig | None,
-                 latency: LatencyModelConfig | None, *, vocab_size: int, num_layers: int,
-                 hidden_size: int, dtype: torch.dtype, train_lora: Any, block_size: int,
-                 prefix_caching: bool, seed: int = 0,
-                 on_probe: Callable[[int, int], None] | None = None,
-                 on_done: Callable[[CalibrationRun], None] | None = None):
-        self.plan: tuple[CalibrationProbe, ...] = build_plan(limits, config)
+    def __init__(self, facts: EngineFacts, config: CalibrationConfig | None,
+                 latency: LatencyModelConfig | None, train_lora: LoRARequest, *, seed: int = 0,
+                 on_probe: ProbeDone | None = None,
+                 on_done: Callable[[LatencyModel], None] | None = None):
+        self.plan: tuple[CalibrationProbe, ...] = build_plan(facts.limits, config)
         self.model = LatencyModel(latency)
-        self.limits = limits
-        self.vocab_size = vocab_size
+        self.facts = facts
         self.train_lora = train_lora
-        self.block_size = block_size
-        self.prefix_caching = prefix_caching
         self.on_probe = on_probe
         self.on_done = on_done
         self.rng = random.Random(seed)
         ft_max = max((p.shape.num_ft_tokens for p in self.plan), default=0)
-        self.scratch = torch.empty(num_layers, max(ft_max, 1), hidden_size, dtype=dtype)
+        mc = facts.model_config
+        self.scratch = torch.empty(mc.num_layers, max(ft_max, 1), mc.hidden_size,
+                                   dtype=facts.dtype)
         self.done = False
         self.points = 0
         self.skipped: list[str] = []
-        self._sched: Any = None
+        self._sched: Scheduler | None = None
+        self._hidden: HiddenRequests | None = None
         self._gen: Generator[None, StepResult, None] | None = None
-        self._ft: list[tuple[str, int]] = []
+        self._ft: list[tuple[str, tuple[int, ...]]] = []
 
     # ---- what the scheduler calls -----------------------------------------------------------
-    def before_schedule(self, sched: Any) -> None:
+    def before_schedule(self, sched: Scheduler, hidden: HiddenRequests) -> None:
         if self._gen is None:
-            self._sched = sched
+            self._sched, self._hidden = sched, hidden
             self._gen = self._run()
             self._advance(None)
 
-    def rows_for(self, ex: Executed) -> TrainingRows | None:
+    def rows_for(self, ex: Executed) -> RowLayout | None:
         """The probe's training rows in this step (those vLLM scheduled whole)."""
-        ft = [(rid, n) for rid, n in self._ft if ex.hidden.get(rid) == (0, n)]
+        ft = [(rid, ids) for rid, ids in self._ft if ex.hidden.get(rid) == (0, len(ids))]
         if not ft:
             return None
-        return TrainingRows(tuple(r for r, _ in ft), tuple(n for _, n in ft), self._capture)
+        step = probe_step(tuple(ids for _, ids in ft), ex.shape, 0.0, self.scratch)
+        return RowLayout(step, tuple(rid for rid, _ in ft))
 
-    def after_step(self, sched: Any, shape: StepShape, seconds: float,
-                   forward: ForwardRecord | None) -> None:
-        self._advance(StepResult(shape, seconds, forward))
+    def after_step(self, shape: StepShape, seconds: float) -> None:
+        self._advance(StepResult(shape, seconds))
 
     # ---- the run ----------------------------------------------------------------------------
-    def _capture(self, layer: int, rows: torch.Tensor) -> None:
-        self.scratch[layer, : rows.shape[0]].copy_(rows)
-
     def _advance(self, value: StepResult | None) -> None:
         assert self._gen is not None
         try:
@@ -104,10 +117,10 @@ class CalibrationRun:
             self.done = True
             self.model.fit()
             if self.on_done is not None:
-                self.on_done(self)
+                self.on_done(self.model)
 
     def _tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(self.vocab_size) for _ in range(n)]
+        return list(random_rows((n,), self.facts.model_config.vocab_size, self.rng)[0])
 
     def _run(self) -> Generator[None, StepResult, None]:
         for i, probe in enumerate(self.plan):
@@ -115,101 +128,91 @@ class CalibrationRun:
             if self.on_probe is not None:
                 self.on_probe(i + 1, len(self.plan))
 
+    def _skip(self, probe: CalibrationProbe) -> str | None:
+        if not self._fits_kv(probe, probe.repeats + 1):
+            return "KV cache too small"
+        if probe.prefix_len and not self.facts.prefix_caching:
+            return "needs prefix caching"
+        return None
+
     def _probe(self, probe: CalibrationProbe) -> Generator[None, StepResult, None]:
-        sched, hidden = self._sched, self._sched.hidden
-        shape = probe.shape
-        steps = probe.repeats + 1
-        budget = self.limits.max_tokens_per_step
-        if not self._fits_kv(probe, steps):
-            self.skipped.append(f"{probe.kind}: {shape} (KV cache too small)")
-            return
-        if probe.prefix_len and not self.prefix_caching:
-            self.skipped.append(f"{probe.kind}: {shape} (needs prefix caching)")
+        why = self._skip(probe)
+        if why is not None:
+            self.skipped.append(f"{probe.kind}: {probe.shape} ({why})")
             return
         owned: list[str] = []
-        stall = _STEP_SLACK + math.ceil(
-            (shape.num_decode * probe.kv_per_decode + probe.prefix_len) / budget)
         try:
-            decodes = []
-            if shape.num_decode:
-                prompt = max(1, probe.kv_per_decode - 1)  # + 1 sampled token = kv_per_decode
-                room = self.limits.max_model_len - prompt
-                for _ in range(shape.num_decode):
-                    req = hidden.add(HiddenKind.PROBE, self._tokens(prompt), max_tokens=room,
-                                     ignore_eos=True)
-                    decodes.append(req)
-                    owned.append(req.request_id)
-            salt, prefix = None, []
-            if probe.prefix_len:
-                salt = f"deltaserve-calibration-{self.rng.getrandbits(64):x}"
-                prefix = self._tokens(probe.prefix_len)
-                owned.append(hidden.add(HiddenKind.PROBE, prefix, salt=salt).request_id)
-            # set-up: every decode past its prompt, the shared prefix computed and cached
-            while not all(r.num_computed_tokens >= r.num_prompt_tokens for r in decodes) \
-                    or (prefix and owned[-1] in sched.requests):
-                yield
-                stall -= 1
-                if stall < 0 or any(r.request_id not in sched.requests for r in decodes):
-                    self.skipped.append(f"{probe.kind}: {shape} (set-up did not finish)")
-                    return
-            for step in range(steps):
-                extra = [hidden.add(HiddenKind.PROBE, prefix + self._tokens(n), salt=salt)
-                         for n in shape.prefill_lens]
-                owned += [r.request_id for r in extra]
-                self._ft = [(hidden.add(HiddenKind.PROBE_FT, self._tokens(m),
-                                        lora_request=self.train_lora).request_id, m)
-                            for m in shape.ft_lens]
-                owned += [r for r, _ in self._ft]
-                result = yield
-                self._ft = []
-                if step > 0 and not result.shape.is_empty:
-                    self.model.add_calibration(result.shape, result.seconds)
-                    self.points += 1
-                hidden.abort([r.request_id for r in extra])  # a chunk left over, if any
+            prefix, salt = yield from self._set_up(probe, owned)
+            if prefix is None:
+                self.skipped.append(f"{probe.kind}: {probe.shape} (set-up did not finish)")
+                return
+            for step in range(probe.repeats + 1):
+                yield from self._timed_step(probe, prefix, salt, owned, timed=step > 0)
         finally:
             self._ft = []
-            hidden.abort(owned)
+            assert self._hidden is not None
+            self._hidden.abort(owned)
+
+    def _set_up(self, probe: CalibrationProbe, owned: list[str]
+                ) -> Generator[None, StepResult, tuple[list[int] | None, str | None]]:
+        """Decode streams past their prompts and the shared prefix computed and cached; returns
+        the prefix and its cache salt (prefix None: set-up stalled)."""
+        sched, hidden = self._sched, self._hidden
+        assert sched is not None and hidden is not None
+        shape, limits = probe.shape, self.facts.limits
+        decodes = []
+        if shape.num_decode:
+            prompt = max(1, probe.kv_per_decode - 1)  # + 1 sampled token = kv_per_decode
+            for _ in range(shape.num_decode):
+                req = hidden.add(HiddenKind.PROBE, self._tokens(prompt),
+                                 max_tokens=limits.max_model_len - prompt, ignore_eos=True)
+                decodes.append(req)
+                owned.append(req.request_id)
+        salt, prefix = None, []
+        if probe.prefix_len:
+            salt = new_salt()  # the probe's own: its chunks share this prefix, no one else
+            prefix = self._tokens(probe.prefix_len)
+            owned.append(hidden.add(HiddenKind.PROBE, prefix, salt=salt).request_id)
+        stall = _STEP_SLACK + math.ceil(
+            (shape.num_decode * probe.kv_per_decode + probe.prefix_len)
+            / limits.max_tokens_per_step)
+        while not all(r.num_computed_tokens >= r.num_prompt_tokens for r in decodes) \
+                or (prefix and owned[-1] in sched.requests):
+            yield
+            stall -= 1
+            if stall < 0 or any(r.request_id not in sched.requests for r in decodes):
+                return None, None
+        return prefix, salt
+
+    def _timed_step(self, probe: CalibrationProbe, prefix: list[int], salt: str | None,
+                    owned: list[str], *, timed: bool) -> Generator[None, StepResult, None]:
+        hidden = self._hidden
+        assert hidden is not None
+        extra = [hidden.add(HiddenKind.PROBE, prefix + self._tokens(n), salt=salt)
+                 for n in probe.shape.prefill_lens]
+        owned += [r.request_id for r in extra]
+        self._ft = []
+        for m in probe.shape.ft_lens:
+            ids = tuple(self._tokens(m))
+            req = hidden.add(HiddenKind.PROBE_FT, ids, lora_request=self.train_lora)
+            self._ft.append((req.request_id, ids))
+            owned.append(req.request_id)
+        result = yield
+        self._ft = []
+        if timed and not result.shape.is_empty:
+            self.model.add_calibration(result.shape, result.seconds)
+            self.points += 1
+        hidden.abort([r.request_id for r in extra])  # a chunk left over, if any
 
     def _fits_kv(self, probe: CalibrationProbe, steps: int) -> bool:
         """Whether the probe's requests fit the KV cache's free blocks (else vLLM preempts)."""
+        assert self._sched is not None
         pool = self._sched.kv_cache_manager.block_pool
-        blocks = 0
+        block = self.facts.block_size
         growth = steps + _STEP_SLACK
         s = probe.shape
-        blocks += s.num_decode * math.ceil((probe.kv_per_decode + growth) / self.block_size)
+        blocks = s.num_decode * math.ceil((probe.kv_per_decode + growth) / block)
         per_step = sum(probe.prefix_len + n for n in s.prefill_lens) + s.num_ft_tokens
-        blocks += math.ceil((per_step + probe.prefix_len) / self.block_size) + len(s.prefill_lens) \
+        blocks += math.ceil((per_step + probe.prefix_len) / block) + len(s.prefill_lens) \
             + len(s.ft_lens)
         return blocks <= pool.get_num_free_blocks()
-
-
-def calibrate(host: Any, lora: Any, config: CalibrationConfig | None = None,
-              latency: LatencyModelConfig | None = None, *, seed: int = 0,
-              progress: bool = True) -> LatencyModel:
-    """Run the calibration plan through vLLM on an idle :class:`VLLMHost` and fit a latency
-    model. Training rows use the reserved training adapter; if none is reserved yet, PEFT's
-    initial weights for ``lora`` (a :class:`LoRAConfig`) are loaded into it."""
-    from tqdm import tqdm
-
-    from deltaserve.hosts.vllm.coserve import new_calibration
-
-    if host.has_unfinished():
-        raise RuntimeError("calibrate an idle engine: requests are in flight")
-    link = host.link
-    if link.train_lora is None:
-        host.reserve_training_adapter(lora, seed)
-    bar = tqdm(desc="calibrating vLLM", unit="probe", disable=not progress)
-
-    def on_probe(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    run = new_calibration(link, host, config, latency, seed, on_probe)
-    link.calibration = run
-    try:
-        while not run.done:
-            host.step()
-    finally:
-        link.calibration = None
-        bar.close()
-    return run.model

@@ -1,299 +1,228 @@
-"""``VLLMHost``: an in-process ``vllm.LLM`` driven one ``llm_engine.step()`` at a time, with the
-interface the benchmark replay uses (:class:`deltaserve.bench.host.ServingHost`).
+"""``VLLMHost``: an in-process ``vllm.LLM`` as a DeltaServe host, driven one
+``llm_engine.step()`` at a time.
 
-The engine core, its scheduler (:class:`CoServingScheduler`) and its one worker (with
-:class:`CoServingWorkerExtension`) run in this process; vLLM's in-process engine is not
-thread-safe, so clients' :meth:`VLLMHost.add_request` only queues, and the thread running
-:meth:`VLLMHost.run_loop` hands requests to vLLM between steps. An arrival still reaches the
-co-server at once (``on_arrival``), so a running training-only step stops at its next layer.
+The client half (queues, outputs, the loop, attach/detach) is
+:class:`~deltaserve.hosts.base.BaseHost`; this module is the engine half. The engine core, its
+scheduler (:class:`~.scheduler.CoServingScheduler`, which runs the co-server's step) and its one
+worker (with :class:`~.worker_ext.CoServingWorkerExtension`) run in this process. vLLM's
+in-process engine is not thread-safe, so client requests reach it only between steps, from the
+thread that steps it (as on every host).
+
+With vLLM's own offline API, wrap the ``vllm.LLM`` (started with :func:`engine_kwargs`)::
+
+    host = VLLMHost(llm=llm)
+    host.attach(dataset="train.jsonl", slo=SLOConfig(ttft_s=2.0, tpot_s=0.2))
+    llm.generate(prompts, params)       # training rides in these steps
+    train_while_idle(host, seconds=60)  # and in training-only steps
+    host.detach()
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import json
 import os
-import shutil
-import threading
 import time
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
+from vllm import LLM
+from vllm.lora.request import LoRARequest
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import SamplingParams as VLLMSamplingParams
 
-from deltaserve.core.calibration import HostLimits
-from deltaserve.core.contract import StepRecord
-from deltaserve.core.errors import InputError
-from deltaserve.core.requests import RequestOutput, SamplingParams, TokenCallback
-from deltaserve.core.shape import ExecMode, StepShape
-from deltaserve.hosts.vllm import registry
-from deltaserve.hosts.vllm.config import VLLMHostConfig, engine_limits, start_llm
+from deltaserve.core.calibration import CalibrationConfig
+from deltaserve.core.contract import CoServingHooks
+from deltaserve.core.errors import InputError, require
+from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
+from deltaserve.core.requests import SamplingParams
+from deltaserve.hosts.base import BaseHost, ClientRequest
+from deltaserve.hosts.vllm.aux_model import register_aux_capture_model
+from deltaserve.hosts.vllm.config import (
+    BASE_ARCHITECTURE,
+    VLLMHostConfig,
+    engine_kwargs,
+    wants_aux_model,
+)
+from deltaserve.hosts.vllm.link import EngineLink, find_link
+from deltaserve.hosts.vllm.scheduler import CoServingScheduler
+from deltaserve.hosts.vllm.train_adapter import check_lora_fits
+from deltaserve.hosts.vllm.training import DelegatedTraining, EngineTraining
 from deltaserve.hosts.vllm.version import import_vllm
+from deltaserve.hosts.vllm.worker_ext import WorkerInfo
+from deltaserve.model.loading import load_tokenizer, read_config, resolve_model
+from deltaserve.model.lora import LoRAConfig
+from deltaserve.model.peft_io import load_adapter
+from deltaserve.train.attach import attach as attach_coserver
+from deltaserve.train.attach import resolve_config
+from deltaserve.train.buffer import BufferSave
+from deltaserve.train.coserver import CoServer
+
+# attach()'s own arguments; every other keyword overrides a CoServeConfig field
+_ATTACH_ARGS = frozenset(inspect.signature(attach_coserver).parameters) - {"host", "overrides"}
 
 
-@dataclass
-class _Live:
-    """A client request the host tracks until vLLM reports it finished."""
+def start_llm(config: VLLMHostConfig) -> LLM:
+    """A ``vllm.LLM`` for ``config``, plugged into DeltaServe."""
+    path = resolve_model(config.model)
+    if wants_aux_model(config):
+        archs = json.loads((path / "config.json").read_text()).get("architectures")
+        if archs != [BASE_ARCHITECTURE]:
+            raise InputError("capture", "aux", f"the compile-safe capture supports "
+                             f"{BASE_ARCHITECTURE} checkpoints; this model is {archs}")
+        register_aux_capture_model()
+    if config.num_threads is not None:
+        # vLLM keeps the torch thread count when OMP_NUM_THREADS is set; its CPU worker disables
+        # torch.set_num_threads once started, so set both before it starts
+        os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+        torch.set_num_threads(config.num_threads)
+    limit = read_config(path).max_position_embeddings
+    return LLM(model=str(path), **engine_kwargs(config, limit))
 
-    request_id: str
-    prompt: tuple[int, ...]
-    callback: TokenCallback | None
-    arrival_s: float  # time.monotonic(), like the embedded engine
-    tokens: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
 
-    def output(self, finished: bool, reason: str | None) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, tuple(self.tokens),
-                             "".join(self.text), finished, reason, self.arrival_s,
-                             self.times[0] if self.times else None, tuple(self.times))
+def vllm_params(p: SamplingParams) -> VLLMSamplingParams:
+    return VLLMSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                              seed=p.seed, stop=list(p.stop) or None,
+                              stop_token_ids=list(p.stop_token_ids) or None,
+                              ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA)
 
 
-def _finish_reason(comp: Any) -> str | None:
+def finish_reason(comp: CompletionOutput) -> str | None:
+    """vLLM's finish reason in the contract's words (``eos`` for a plain stop at EOS)."""
     if comp.finish_reason == "stop":
         return "eos" if comp.stop_reason is None else "stop"
     return comp.finish_reason
 
 
-class VLLMHost:
+class VLLMHost(DelegatedTraining, BaseHost):
     """See the module docstring. ``llm``: an existing ``vllm.LLM`` started with
     :func:`engine_kwargs` (otherwise one is started from ``config``)."""
 
-    def __init__(self, config: VLLMHostConfig | None = None, *, llm: Any = None):
-        from deltaserve.model.loading import load_tokenizer, read_config, resolve_model
+    config_cls = VLLMHostConfig
 
-        vllm = import_vllm()
+    def __init__(self, config: VLLMHostConfig | None = None, *, llm: LLM | None = None):
+        import_vllm()  # the CPU defaults and the version check before vLLM starts
         self.config = config = config or VLLMHostConfig()
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op and drops torch to one
         # thread for the whole process; close() gives the process its threads back
         self._torch_threads = (torch.set_num_threads, torch.get_num_threads())
-        if llm is None:
-            path = resolve_model(config.model)
-            if config.num_threads is not None:
-                # vLLM keeps the torch thread count when OMP_NUM_THREADS is set; its CPU worker
-                # disables torch.set_num_threads once started, so set both before it starts
-                os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
-                torch.set_num_threads(config.num_threads)
-            llm = start_llm(vllm, str(path), config)
-        self.llm = llm
-        self.engine = llm.llm_engine
-        self.vllm_config = self.engine.vllm_config
-        link = registry.find_link(self.vllm_config)
+        self.llm = llm if llm is not None else start_llm(config)
+        self.engine = self.llm.llm_engine
+        vc = self.engine.vllm_config
+        link = find_link(vc)
         if link is None or link.scheduler is None:
-            raise InputError("llm", type(llm).__name__, "was not started with DeltaServe's "
+            raise InputError("llm", type(self.llm).__name__, "was not started with DeltaServe's "
                              "scheduler: pass **deltaserve.hosts.vllm.engine_kwargs() to vllm.LLM")
-        self.link = link
-        link.host = self
-        self.scheduler = link.scheduler
-        self.info = llm.collective_rpc("deltaserve_install", kwargs=dict(
-            capture=config.capture, interrupt=config.interrupt))[0]
-        mc = self.vllm_config.model_config
-        self.model_path = str(mc.model)
-        self.dtype = mc.dtype
-        self.model_config = read_config(resolve_model(self.model_path))
-        self.tokenizer = load_tokenizer(self.model_path)
-        self._incoming: deque[tuple[_Live, list[int], Any, Any, float]] = deque()
-        self._live: dict[str, _Live] = {}
-        self._finished: dict[str, RequestOutput] = {}
-        self._adapters: dict[str, Any] = {}
-        self._lora_ids = itertools.count(1)
-        self._req_ids = itertools.count()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self.num_finished = 0  # client requests vLLM reported finished
-        self.unknown_outputs = 0  # outputs for ids no client sent (must stay 0)
+        self.link: EngineLink = link
+        self.scheduler: CoServingScheduler = link.scheduler
+        self.worker_info: WorkerInfo = self.llm.collective_rpc(
+            "deltaserve_install", kwargs=dict(capture=config.capture))[0]
+        self.training = EngineTraining(link, vc)
+        super().__init__(load_tokenizer(self.training.model_path), vc.model_config.max_model_len)
+        link.on_step = self._record
+        link.on_shutdown = self._engine_shutdown
+        self._loras: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)  # as vLLM's API server numbers adapters
+        self._texts: dict[str, list[str]] = {}
 
-    # ---- facts the co-server and the replay ask for -------------------------------------------
-    @property
-    def limits(self) -> HostLimits:
-        return engine_limits(self.vllm_config, self.scheduler)
+    # ---- the co-server's side (TrainingHost; the rest is DelegatedTraining) -----------------
+    def calibrate(self, lora: LoRAConfig, calibration: CalibrationConfig | None,
+                  latency: LatencyModelConfig | None, *, seed: int = 0,
+                  progress: bool = True) -> LatencyModel:
+        """Run the calibration plan through vLLM's scheduler and forward on this idle host."""
+        if self.has_unfinished():
+            raise RuntimeError("calibrate an idle engine: requests are in flight")
+        check_lora_fits(lora, self.engine.vllm_config)
+        bar = tqdm(desc="calibrating vLLM", unit="probe", disable=not progress)
 
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        from deltaserve.hosts.vllm.view import predict_mode
+        def on_probe(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
 
-        return predict_mode(self.vllm_config, shape)
-
-    @property
-    def coserver(self) -> Any:
-        return self.link.coserver
-
-    @property
-    def latency_model(self) -> Any:
-        return self.link.latency_model
-
-    @latency_model.setter
-    def latency_model(self, model: Any) -> None:
-        self.link.latency_model = model
-
-    @property
-    def record_steps(self) -> bool:
-        return self.link.record_steps
-
-    @record_steps.setter
-    def record_steps(self, on: bool) -> None:
-        self.link.record_steps = on
-
-    @property
-    def step_log(self) -> list[StepRecord]:
-        return self.link.step_log
-
-    @property
-    def vllm_model(self) -> Any:
-        """vLLM's model object (in this process)."""
-        return self.link.worker.model_runner.model
-
-    def decoder_layers(self) -> list[Any]:
-        from deltaserve.hosts.vllm.hooks import decoder_layers
-
-        return decoder_layers(self.vllm_model)
-
-    def base_weights(self) -> Any:
-        """The backward's base weights: views of vLLM's (GPU) or a reload (CPU); see
-        :mod:`deltaserve.hosts.vllm.weights`."""
-        from deltaserve.hosts.vllm.weights import backward_weights
-
-        return backward_weights(self.vllm_model, self.model_path, self.dtype)[1]
-
-    def publish_adapter(self, lora_state: Any) -> None:
-        """Write :class:`AdapterWeights` into the reserved training adapter's slot."""
-        if self.link.publisher is None:
-            raise RuntimeError("no training adapter is reserved: attach first")
-        self.link.publisher.publish(lora_state)
-
-    def reserve_training_adapter(self, lora: Any, seed: int = 0) -> int:
-        """Load PEFT's initial weights for ``lora`` (a :class:`LoRAConfig`) into vLLM as the
-        reserved training adapter, pinned to a slot; returns the slot."""
-        from deltaserve.hosts.vllm.coserve import (
-            TRAIN_ADAPTER_ID,
-            TRAIN_ADAPTER_NAME,
-            check_lora_fits,
-            write_standin_adapter,
-        )
-
-        check_lora_fits(lora, self.vllm_config)
-        path = write_standin_adapter(self.model_config, lora, seed, self.model_path)
+        run = self.training.calibration_run(lora, calibration, latency, seed=seed,
+                                            on_probe=on_probe)
+        self.link.calibration = run
         try:
-            return self.llm.collective_rpc("deltaserve_reserve_adapter",
-                                           args=(TRAIN_ADAPTER_NAME, TRAIN_ADAPTER_ID, path))[0]
-        finally:  # loaded (and pinned: never reloaded from disk); only its name is kept
-            shutil.rmtree(path, ignore_errors=True)
+            while not run.done:
+                self.step()
+        finally:
+            self.link.calibration = None
+            bar.close()
+        return run.model
 
-    # ---- clients ----------------------------------------------------------------------------
-    def add_lora(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter at ``path`` as ``name`` (requests pick it by name)."""
-        from vllm.lora.request import LoRARequest
+    def set_coserver(self, co: CoServingHooks | None) -> None:
+        super().set_coserver(co)
+        self.link.coserver = co
 
-        req = LoRARequest(name, next(self._lora_ids), str(path))
-        with self._lock:
-            self._adapters[name] = req
+    def attach(self, **kwargs: object) -> CoServer:
+        """:meth:`BaseHost.attach`, after the checks that need nothing heavy: the training
+        adapter's rank fits vLLM's ``max_lora_rank``, and the buffer keeps what vLLM's hooks
+        capture (the residual stream)."""
+        overrides = {k: v for k, v in kwargs.items() if k not in _ATTACH_ARGS}
+        config = resolve_config(kwargs.get("config"), kwargs.get("slo"), overrides)  # type: ignore[arg-type]
+        check_lora_fits(config.lora, self.engine.vllm_config)
+        require(config.backward.buffer_save is BufferSave.RESIDUAL, "buffer_save",
+                config.backward.buffer_save, "the vLLM host captures the residual stream only")
+        return super().attach(**kwargs)
 
-    def lora_request(self, name: str) -> Any:
-        try:
-            return self._adapters[name]
-        except KeyError:
-            raise InputError("adapter", name, f"not loaded; loaded: {sorted(self._adapters)}"
-                             ) from None
+    # ---- the engine half --------------------------------------------------------------------
+    def _engine_submit(self, req: ClientRequest) -> None:
+        lora = self._loras[req.adapter] if req.adapter is not None else None
+        arrival_wall_s = time.time() - (time.monotonic() - req.arrival_s)
+        self._texts[req.request_id] = []
+        self.engine.add_request(req.request_id, {"prompt_token_ids": list(req.prompt)},
+                                vllm_params(req.params), arrival_time=arrival_wall_s,
+                                lora_request=lora)
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    adapter: str | None = None, callback: TokenCallback | None = None,
-                    request_id: str | None = None) -> str:
-        params = params or SamplingParams()
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InputError("prompt", prompt, "is empty")
-        if len(ids) >= self.vllm_config.model_config.max_model_len:
-            raise InputError("prompt", f"{len(ids)} tokens", "must be shorter than "
-                             f"max_model_len={self.vllm_config.model_config.max_model_len}")
-        lora = self.lora_request(adapter) if adapter is not None else None
-        rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
-        live = _Live(rid, tuple(ids), callback, time.monotonic())
-        with self._lock:
-            self._incoming.append((live, ids, _vllm_params(params), lora, time.time()))
-        co = self.link.coserver
-        if co is not None:
-            co.on_arrival()
-        self._wake.set()
-        return rid
+    def _engine_abort(self, request_id: str) -> None:
+        self.engine.abort_request([request_id])
+        self._texts.pop(request_id, None)
 
-    def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._incoming or self._live)
-
-    def pop_finished(self, request_id: str) -> RequestOutput:
-        with self._lock:
-            return self._finished.pop(request_id)
-
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | None = None, adapter: str | None = None
-                 ) -> list[RequestOutput]:
-        ids = [self.add_request(p, params, adapter=adapter) for p in prompts]
-        while any(i not in self._finished for i in ids):
-            self.step()
-        return [self.pop_finished(i) for i in ids]
-
-    # ---- the loop ---------------------------------------------------------------------------
-    def step(self) -> bool:
-        """One vLLM step (clients first handed to vLLM); False when it ran nothing."""
-        self._drain()
+    def _engine_step(self) -> bool:
         if not self.scheduler.has_requests():
             return False
         before = self.link.steps
         for out in self.engine.step():
+            assert isinstance(out, RequestOutput)
             self._deliver(out)
         return self.link.steps != before
 
-    def run_loop(self, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
-        """Step until ``stop`` is set; with nothing to run, wait for an arrival (or, while the
-        backward runs, for it to finish so its commit is published)."""
-        while not stop.is_set():
-            if not self.step():
-                co = self.link.coserver
-                if co is not None and co.backward_busy:
-                    co.idle(timeout_s=idle_wait_s)
-                else:
-                    self._wake.wait(idle_wait_s)
-                    self._wake.clear()
-
-    def _drain(self) -> None:
-        while True:
-            with self._lock:
-                if not self._incoming:
-                    return
-                live, ids, params, lora, arrival = self._incoming.popleft()
-                self._live[live.request_id] = live
-            self.engine.add_request(live.request_id, {"prompt_token_ids": ids}, params,
-                                    arrival_time=arrival, lora_request=lora)
-
-    def _deliver(self, out: Any) -> None:
-        live = self._live.get(out.request_id)
-        if live is None:
-            self.unknown_outputs += 1
-            return
-        now = time.monotonic()
+    def _deliver(self, out: RequestOutput) -> None:
         comp = out.outputs[0]
-        live.tokens.extend(comp.token_ids)
-        live.times.extend([now] * len(comp.token_ids))
-        live.text.append(comp.text)
-        reason = _finish_reason(comp) if out.finished else None
-        result = live.output(out.finished, reason)
-        if out.finished:
-            self.num_finished += 1
-            with self._lock:
-                del self._live[out.request_id]
-                if live.callback is None:
-                    self._finished[out.request_id] = result
-        if live.callback is not None:
-            live.callback(result)
+        texts = self._texts.get(out.request_id)
+        if texts is None:
+            return  # aborted meanwhile (hidden requests never reach the output path)
+        texts.append(comp.text)
+        reason = finish_reason(comp) if out.finished else None
+        if reason is not None:
+            del self._texts[out.request_id]
+        self._emit(out.request_id, list(comp.token_ids), reason,
+                   "".join(texts) if reason is not None else None)
+
+    def _load_lora(self, name: str, path: str) -> None:
+        """Validate the adapter now (the caller's thread); vLLM loads it at its first use."""
+        if not Path(path).is_dir():
+            raise InputError("adapter_path", path, "not a directory")
+        adapter = load_adapter(path, self.training.model_config)
+        check_lora_fits(adapter.config, self.engine.vllm_config)
+        self._loras[name] = LoRARequest(name, next(self._lora_ids), str(path))
+
+    def _unload_lora(self, name: str) -> None:
+        lora = self._loras.pop(name, None)
+        if lora is not None and lora.lora_int_id in self.engine.list_loras():
+            self.engine.remove_lora(lora.lora_int_id)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    def _engine_shutdown(self) -> None:
+        self.detach(drain=False)
 
     def close(self) -> None:
-        """Detach any co-server and shut vLLM's engine core down."""
-        from deltaserve.hosts.vllm.coserve import detach
-
-        detach(self, drain=False, checkpoint=False)
+        """Detach any co-server (checkpointing) and shut vLLM's engine core down."""
+        super().close()
         self.llm.collective_rpc("deltaserve_uninstall")
         self.engine.engine_core.shutdown()
         set_threads, threads = self._torch_threads
@@ -301,11 +230,17 @@ class VLLMHost:
         set_threads(threads)
 
 
-def _vllm_params(p: SamplingParams) -> Any:
-    from vllm import SamplingParams as VSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return VSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                           seed=p.seed, stop=list(p.stop) or None,
-                           stop_token_ids=list(p.stop_token_ids) or None,
-                           ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA)
+def train_while_idle(host: VLLMHost, seconds: float | None = None,
+                     until: Callable[[], bool] | None = None) -> None:
+    """Step an attached host with no client work (training-only steps, backward commits) for
+    ``seconds``, until ``until()``, or until co-serving has nothing left to do; for
+    ``vllm.LLM`` users, whose ``generate`` steps only while its own requests are unfinished."""
+    co = host.coserver
+    if co is None:
+        raise InputError("coserver", None, "attach a co-server first")
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while (deadline is None or time.monotonic() < deadline) and not (until and until()):
+        if not host.step():
+            if not co.wants_step():
+                return
+            co.idle(0.01)

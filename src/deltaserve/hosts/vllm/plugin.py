@@ -24,6 +24,9 @@ logger = logging.getLogger("deltaserve.vllm")
 def register() -> None:
     if not os.environ.get(ACTIVE_ENV):
         return
+    # The engine imports stay inside this factory hook: installed beside another user's vLLM the
+    # module must import nothing of vLLM's, and aux_model (which subclasses vLLM's Llama) may
+    # only be imported once the version is known to be one it was written for.
     import vllm
 
     check_version(str(vllm.__version__))

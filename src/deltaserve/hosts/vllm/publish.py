@@ -19,11 +19,12 @@ adapter does not target keep vLLM's zeros. Publishing runs in the engine's threa
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from vllm.lora.lora_weights import LoRALayerWeights
+from vllm.lora.model_manager import LoRAModelManager
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from deltaserve.model.lora import AdapterWeights
+from deltaserve.model.lora import AdapterWeights, LoRAConfig
 
 # vLLM module (under ``model.layers.{i}.``) → the Hugging Face projections packed in it.
 PACKED: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -34,17 +35,21 @@ PACKED: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def _as_list(x: Any) -> list[Any]:
+def _slices(x: torch.Tensor | list[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+    """A packed layer's per-projection tensors (a plain layer's one tensor)."""
+    if x is None:
+        return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 class AdapterPublisher:
-    """Publishes :class:`AdapterWeights` into the slot of vLLM adapter ``lora_id``."""
+    """Publishes :class:`AdapterWeights` of ``config`` into the slot of vLLM adapter
+    ``lora_id``."""
 
-    def __init__(self, runner: Any, lora_id: int):
-        self.manager = runner.lora_manager._adapter_manager  # the LRU LoRA model manager
+    def __init__(self, runner: GPUModelRunner, lora_id: int, config: LoRAConfig):
+        self.manager: LoRAModelManager = runner.lora_manager._adapter_manager  # the LRU manager
         self.lora_id = lora_id
-        self.num_publishes = 0
+        self.config = config
 
     @property
     def slot(self) -> int:
@@ -55,18 +60,18 @@ class AdapterPublisher:
         return ids.index(self.lora_id)
 
     def publish(self, adapter: AdapterWeights) -> None:
-        scaling = adapter.config.scaling
-        r = adapter.config.r
-        slot = self.slot
+        if adapter.config != self.config:
+            raise ValueError(f"the reserved slot holds LoRA {self.config}, not {adapter.config}")
+        scaling, r, slot = adapter.config.scaling, adapter.config.r, self.slot
         cpu = self.manager.get_adapter(self.lora_id)
         with torch.inference_mode():
             for layer in range(adapter.model_config.num_layers):
                 for packed, parts in PACKED:
                     name = f"model.layers.{layer}.{packed}"
                     module = self.manager.modules[name]
-                    cpu_w = cpu.get_lora(name) if cpu is not None else None
-                    cpu_a = _as_list(cpu_w.lora_a) if cpu_w is not None else []
-                    cpu_b = _as_list(cpu_w.lora_b) if cpu_w is not None else []
+                    cpu_w: LoRALayerWeights | None = cpu.get_lora(name) if cpu else None
+                    cpu_a = _slices(cpu_w.lora_a) if cpu_w is not None else []
+                    cpu_b = _slices(cpu_w.lora_b) if cpu_w is not None else []
                     for s, proj in enumerate(parts):
                         if not adapter.has(proj):
                             continue
@@ -74,24 +79,8 @@ class AdapterPublisher:
                         b = adapter.b(layer, proj) * scaling
                         module.lora_a_stacked[s][slot, 0, :r, : a.shape[1]].copy_(a)
                         module.lora_b_stacked[s][slot, 0, : b.shape[0], :r].copy_(b)
-                        if s < len(cpu_a) and cpu_a[s] is not None:
-                            cpu_a[s].copy_(a)
-                            cpu_b[s].copy_(b)
-        self.num_publishes += 1
-
-    def read(self, model_config: Any, lora_config: Any) -> AdapterWeights:
-        """The slot's current weights as :class:`AdapterWeights` (B unscaled): for tests and
-        for checking that a publish landed."""
-        out = AdapterWeights(model_config, lora_config)
-        slot, r, scaling = self.slot, lora_config.r, lora_config.scaling
-        with torch.no_grad():
-            for layer in range(model_config.num_layers):
-                for packed, parts in PACKED:
-                    module = self.manager.modules[f"model.layers.{layer}.{packed}"]
-                    for s, proj in enumerate(parts):
-                        if not out.has(proj):
-                            continue
-                        a, b = out.a(layer, proj), out.b(layer, proj)
-                        a.copy_(module.lora_a_stacked[s][slot, 0, :r, : a.shape[1]])
-                        b.copy_(module.lora_b_stacked[s][slot, 0, : b.shape[0], :r] / scaling)
-        return out
+                        ca = cpu_a[s] if s < len(cpu_a) else None
+                        cb = cpu_b[s] if s < len(cpu_b) else None
+                        if ca is not None and cb is not None:
+                            ca.copy_(a)
+                            cb.copy_(b)

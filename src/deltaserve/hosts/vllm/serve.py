@@ -1,15 +1,29 @@
-"""``deltaserve serve --host vllm MODEL --finetune-dataset PATH [...]``: vLLM's OpenAI-compatible
-API server with co-serving on.
+"""``deltaserve serve --engine vllm MODEL --finetune-dataset PATH [...]``: vLLM's
+OpenAI-compatible API server with co-serving on.
 
-Every ``vllm serve`` flag is accepted (vLLM's own parser is used), plus the co-serving flags of
-:func:`add_coserve_args`. DeltaServe sets the flags it depends on (``--scheduler-cls``,
-``--worker-extension-cls``, ``--enable-lora``, a large enough ``--max-lora-rank``, synchronous
-scheduling, eager execution) and runs the engine core's worker inside the engine-core process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the environment it inherits). Start-up order: vLLM
-starts; the worker's hooks are installed; the engine process loads the dataset, reserves the
-training adapter and runs the calibration plan through vLLM's scheduler and forward; only then
-does the HTTP server accept requests. On shutdown the co-server trains what it captured and
-writes a final checkpoint (``--checkpoint-dir``), which vLLM serves with ``--lora-modules``.
+Every ``vllm serve`` flag is accepted (vLLM's own parser is used), plus the co-serving flags,
+generated from :class:`~deltaserve.train.config.CoServeConfig` (``--finetune-slo-ttft-s``,
+``--finetune-lora-r``, ``--finetune-checkpoint-dir``, ...; ``--help`` lists them with their
+defaults) and :class:`~deltaserve.core.data.DataConfig` (``--finetune-data-*``), and:
+
+* ``--bind ADDRESS``: where the server listens, **127.0.0.1 by default** (this machine only).
+  It sets vLLM's own ``--host``; give one of the two.
+* ``--api-key KEY`` (vLLM's flag, passed through): every request must then carry
+  ``Authorization: Bearer KEY``; without it the API is open to whoever reaches the address.
+* ``--finetune-checkpoint-dir``: where training is checkpointed (PEFT format, resumable).
+  Without it, checkpoints go to a fresh directory under ``deltaserve-data/vllm-serve/`` (the
+  path is printed at start), so no training is discarded at shutdown.
+
+Every co-serving flag is checked before vLLM loads the model (the config's own checks, the
+dataset parsed row by row, the latency-model file, the checkpoint directory writable), and an
+error names the flag and its value. DeltaServe sets the engine flags it depends on
+(``--scheduler-cls``, ``--worker-extension-cls``, ``--enable-lora``, a ``--max-lora-rank`` that
+holds ``--finetune-lora-r``, synchronous scheduling, eager execution) and runs the engine
+core's worker inside the engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the
+environment it inherits). Start-up: vLLM starts; the worker's hooks are installed; the engine
+process loads the dataset, reserves the training adapter and runs the calibration through
+vLLM's scheduler and forward; only then does the HTTP server accept requests. On shutdown the
+co-server checkpoints the last committed step, which vLLM serves with ``--lora-modules``.
 """
 
 from __future__ import annotations
@@ -18,73 +32,131 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Any
+import time
+from dataclasses import replace
+from pathlib import Path
 
-from deltaserve.hosts.vllm.remote import RemoteSpec
-from deltaserve.model.lora import ALL_MODULES, DEFAULT_TARGETS
+import uvloop
+from vllm.entrypoints.launchers.api_server.entry import (
+    build_and_serve,
+    build_async_engine_client,
+)
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.launchers.launcher import setup_server
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from deltaserve.cli_flags import add_dataclass_flags, checked_from_args
+from deltaserve.core.config_io import from_dict, to_dict
+from deltaserve.core.data import DataConfig, load_dataset
+from deltaserve.core.errors import InputError
+from deltaserve.core.latency_model import LatencyModel
+from deltaserve.hosts.vllm.config import SCHEDULER_CLS, WORKER_EXTENSION_CLS, lora_rank_for
+from deltaserve.hosts.vllm.remote import CALIBRATIONS, RemoteStatus, ServeSpec, State
+from deltaserve.hosts.vllm.version import import_vllm
+from deltaserve.model.loading import load_tokenizer, resolve_model
+from deltaserve.train.buffer import BufferSave
+from deltaserve.train.config import CoServeConfig
+
+DEFAULT_BIND = "127.0.0.1"  # this machine only, unless --bind says otherwise
+CHECKPOINT_PARENT = Path("deltaserve-data") / "vllm-serve"  # without --finetune-checkpoint-dir
 _POLL_S = 0.5
+Flags = dict[str, str]
 
 
-def add_coserve_args(parser: argparse.ArgumentParser) -> None:
-    """The co-serving flags (``--finetune-*`` and the SLOs; vLLM owns every other name)."""
+def add_coserve_args(parser: argparse.ArgumentParser) -> Flags:
+    """The co-serving flags (``--finetune-*``, ``--bind``; vLLM owns every other name)."""
     g = parser.add_argument_group("DeltaServe co-serving")
     g.add_argument("--finetune-dataset", required=True,
-                   help="fine-tuning data: Alpaca JSON/JSONL or chat JSONL")
-    g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    g.add_argument("--tpot-slo-ms", type=float, default=200.0)
-    g.add_argument("--finetune-lora-r", type=int, default=16)
-    g.add_argument("--finetune-lora-alpha", type=float, default=32.0)
-    g.add_argument("--finetune-target-modules", nargs="+", default=list(DEFAULT_TARGETS),
-                   choices=ALL_MODULES)
-    g.add_argument("--finetune-lr", type=float, default=1e-3)
-    g.add_argument("--finetune-batch-tokens", type=int, default=256,
-                   help="tokens per optimizer step")
-    g.add_argument("--finetune-max-tokens-per-step", type=int, default=256,
-                   help="fine-tuning tokens per engine step (bounds a training-only step)")
-    g.add_argument("--finetune-epochs", type=int, default=1)
-    g.add_argument("--finetune-admission", choices=("full", "temp", "off"), default="full")
-    g.add_argument("--finetune-checkpoint-dir", default=None)
-    g.add_argument("--finetune-checkpoint-every", type=int, default=50)
-    g.add_argument("--finetune-calibration", choices=("quick", "full"), default="quick")
+                   help="fine-tuning data: Alpaca JSON/JSONL, chat JSONL or ShareGPT")
+    g.add_argument("--finetune-calibration", choices=CALIBRATIONS, default="quick",
+                   help="the start-up calibration sweep (default: %(default)s)")
     g.add_argument("--finetune-latency-model", default=None,
                    help="a fitted latency model's JSON (skips calibration)")
-    g.add_argument("--finetune-seed", type=int, default=0)
+    g.add_argument("--bind", default=None, help=f"address to listen on (default: "
+                   f"{DEFAULT_BIND}); sets vLLM's --host")
+    flags = add_dataclass_flags(g, DataConfig, "finetune-data-", "finetune_data.",
+                                skip=("path", "max_tokens"))
+    flags.update(add_dataclass_flags(g, CoServeConfig, "finetune-", "finetune."))
+    return flags
 
 
-def spec_from_args(args: argparse.Namespace) -> RemoteSpec:
-    return RemoteSpec(
-        dataset=args.finetune_dataset, ttft_slo_s=args.ttft_slo_ms / 1000,
-        tpot_slo_s=args.tpot_slo_ms / 1000, lora_r=args.finetune_lora_r,
-        lora_alpha=args.finetune_lora_alpha,
-        target_modules=tuple(args.finetune_target_modules), lr=args.finetune_lr,
-        backward_batch_tokens=args.finetune_batch_tokens,
-        max_ft_tokens_per_step=args.finetune_max_tokens_per_step,
-        num_epochs=args.finetune_epochs, admission=args.finetune_admission,
-        checkpoint_dir=args.finetune_checkpoint_dir,
-        checkpoint_every=args.finetune_checkpoint_every,
-        calibration=args.finetune_calibration, latency_model=args.finetune_latency_model,
-        seed=args.finetune_seed)
-
-
-def build_parser() -> Any:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+def build_parser() -> tuple[FlexibleArgumentParser, Flags]:
     parser = FlexibleArgumentParser(
-        prog="deltaserve serve --host vllm",
+        prog="deltaserve serve --engine vllm",
         description="vLLM's OpenAI-compatible server with LoRA fine-tuning co-served")
     parser = make_arg_parser(parser)
-    add_coserve_args(parser)
-    return parser
+    return parser, add_coserve_args(parser)
 
 
-def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Resolve the model and set the engine flags co-serving depends on."""
-    from deltaserve.hosts.vllm.bench import lora_rank_for
-    from deltaserve.hosts.vllm.config import SCHEDULER_CLS, WORKER_EXTENSION_CLS
-    from deltaserve.model.loading import resolve_model
+# ---- everything checked before vLLM loads the model -----------------------------------------
+def serve_spec(args: argparse.Namespace, flags: Flags) -> ServeSpec:
+    """The co-serving spec from the parsed flags, every flag checked (``InputError`` naming the
+    flag and value) and nothing heavy loaded: no model, no engine."""
+    for dest in ("finetune.slo.ttft_s", "finetune.slo.tpot_s"):
+        if getattr(args, dest) is None:
+            raise InputError(flags[dest], None, "required: the objective in seconds")
+    coserve: CoServeConfig = checked_from_args(CoServeConfig, args, flags, "finetune.")
+    if coserve.backward.buffer_save is not BufferSave.RESIDUAL:
+        raise InputError(flags["finetune.backward.buffer_save"], coserve.backward.buffer_save.value,
+                         "the vLLM host captures the residual stream only")
+    lora_rank_for(coserve.lora.r)
+    data = checked_from_args(DataConfig, args, flags, "finetune_data.",
+                             path=args.finetune_dataset)
+    _check_dataset(args, data)
+    if args.finetune_latency_model is not None:
+        try:
+            LatencyModel.load(args.finetune_latency_model)
+        except (InputError, OSError) as e:
+            raise InputError("--finetune-latency-model", args.finetune_latency_model,
+                             str(e)) from e
+    coserve = _with_checkpoint_dir(coserve, flags["finetune.checkpoint.root"])
+    return ServeSpec(coserve, data, args.finetune_calibration, args.finetune_latency_model)
 
+
+def _check_dataset(args: argparse.Namespace, data: DataConfig) -> None:
+    """Parse and tokenize every row now (errors name the line); report what is dropped."""
+    model = args.model_tag or args.model
+    try:
+        tokenizer = load_tokenizer(resolve_model(model))
+    except (OSError, ValueError) as e:
+        raise InputError("model", model, f"cannot load its tokenizer: {e}") from e
+    limits = [data.max_tokens, args.max_num_batched_tokens, args.max_model_len and
+              args.max_model_len - 1]
+    data = replace(data, max_tokens=min(n for n in limits if n))
+    try:
+        samples, report = load_dataset(data, tokenizer)
+    except OSError as e:
+        raise InputError("--finetune-dataset", data.path, f"cannot read it: {e}") from e
+    except InputError as e:  # the row's line (and record) stay in the message
+        raise InputError("--finetune-dataset", data.path, f"{e.field}={e.value!r}: {e.reason}",
+                         line=e.line, record=e.record) from e
+    if not samples:
+        raise InputError("--finetune-dataset", data.path, f"no usable sample: {report.summary()}")
+    print(f"deltaserve: dataset {data.path}: {report.summary()}", file=sys.stderr, flush=True)
+
+
+def _with_checkpoint_dir(coserve: CoServeConfig, flag: str) -> CoServeConfig:
+    root = coserve.checkpoint.root
+    if root is None:
+        root = str(CHECKPOINT_PARENT / time.strftime("checkpoints-%Y%m%d-%H%M%S"))
+        print(f"deltaserve: WARNING: no {flag} given: training is checkpointed under {root} "
+              f"(pass {flag} {root} to resume it)", file=sys.stderr, flush=True)
+    path = Path(root).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".deltaserve-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise InputError(flag, root, f"not a writable directory: {e}") from e
+    return replace(coserve, checkpoint=replace(coserve.checkpoint, root=str(path)))
+
+
+def prepare_args(args: argparse.Namespace, spec: ServeSpec) -> argparse.Namespace:
+    """Resolve the model, pick the listening address, set the engine flags co-serving needs."""
+    if args.bind is not None and args.host is not None and args.bind != args.host:
+        raise InputError("--bind", args.bind, f"vLLM's --host says {args.host}; give one")
+    args.host = args.bind or args.host or DEFAULT_BIND
     model = args.model_tag or args.model
     if model:
         args.model = str(resolve_model(model)) if not os.path.isdir(model) else model
@@ -92,34 +164,31 @@ def prepare_args(args: argparse.Namespace) -> argparse.Namespace:
     args.scheduler_cls = SCHEDULER_CLS
     args.worker_extension_cls = WORKER_EXTENSION_CLS
     args.enable_lora = True
-    args.max_lora_rank = max(args.max_lora_rank or 0, lora_rank_for(args.finetune_lora_r))
+    args.max_lora_rank = max(args.max_lora_rank or 0, lora_rank_for(spec.coserve.lora.r))
     args.max_loras = max(args.max_loras or 1, 2)  # the pinned training slot + client adapters
     args.async_scheduling = False
     args.enforce_eager = True
     return args
 
 
-async def _serve(args: argparse.Namespace, spec: RemoteSpec) -> None:
-    from vllm.entrypoints.launchers.api_server.entry import (
-        build_and_serve,
-        build_async_engine_client,
-    )
-    from vllm.entrypoints.launchers.launcher import setup_server
-
+# ---- the server -----------------------------------------------------------------------------
+async def _serve(args: argparse.Namespace, spec: ServeSpec) -> None:
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client(args) as client:
         await client.collective_rpc("deltaserve_install")
-        status = (await client.collective_rpc("deltaserve_attach", args=(spec.to_json(),)))[0]
-        while status["state"] in ("starting", "calibrating"):
+        status = from_dict(RemoteStatus, (await client.collective_rpc(
+            "deltaserve_attach", args=(to_dict(spec),)))[0])
+        while status.state is State.CALIBRATING:
             await asyncio.sleep(_POLL_S)
-            status = (await client.collective_rpc("deltaserve_status"))[0]
-        if status["state"] != "coserving":
-            raise RuntimeError(f"co-serving did not start: {status.get('error', status)}")
-        print(f"deltaserve: co-serving {status.get('samples')} samples (at most "
-              f"{status.get('max_ft_tokens_per_step')} fine-tuning tokens per step); "
-              "accepting requests", file=sys.stderr, flush=True)
-        # On shutdown vLLM stops the engine core first; its scheduler then checkpoints the last
-        # committed step and stops the backward (CoServingScheduler.shutdown).
+            status = from_dict(RemoteStatus, (await client.collective_rpc("deltaserve_status"))[0])
+        if status.state is not State.COSERVING:
+            raise RuntimeError(f"co-serving did not start: {status.error or status}")
+        print(f"deltaserve: co-serving {status.samples} samples (at most "
+              f"{status.max_ft_tokens_per_step} fine-tuning tokens per step), checkpoints in "
+              f"{spec.coserve.checkpoint.root}; accepting requests on {listen_address}",
+              file=sys.stderr, flush=True)
+        # On shutdown vLLM stops the engine core first; its scheduler then has the co-server
+        # checkpoint the last committed step and stop the backward (RemoteCoServing.shutdown).
         shutdown = await build_and_serve(client, listen_address, sock, args)
     try:
         await shutdown
@@ -128,18 +197,13 @@ async def _serve(args: argparse.Namespace, spec: RemoteSpec) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``deltaserve serve --host vllm``; ``argv``: everything after ``--host``."""
-    from deltaserve.hosts.vllm.version import import_vllm
-
-    import_vllm()  # CPU defaults and the single-process engine core before vLLM starts
-    import uvloop
-
-    parser = build_parser()
-    args = prepare_args(parser.parse_args(argv))
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
-
+    """Entry point of ``deltaserve serve --engine vllm``; ``argv``: everything after it."""
+    import_vllm()  # CPU defaults, the single-process engine core, the plugin's version check
+    parser, flags = build_parser()
+    args = parser.parse_args(argv)
+    spec = serve_spec(args, flags)
+    args = prepare_args(args, spec)
     validate_parsed_serve_args(args)
-    spec = spec_from_args(args)
     uvloop.run(_serve(args, spec))
     return 0
 

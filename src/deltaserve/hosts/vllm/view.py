@@ -15,7 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import PriorityRequestQueue, RequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
 
 from deltaserve.core.admission import SchedulingView
 from deltaserve.core.shape import ExecMode, StepShape
@@ -31,19 +36,19 @@ class Proposal:
     tokens: dict[str, int]
 
 
-def _is_decode(req: Any, num_computed: int, n: int) -> bool:
+def _is_decode(req: Request, num_computed: int, n: int) -> bool:
     # A request past its prompt generating one token; a recomputed (preempted) one is a prefill.
     return n == 1 and num_computed >= req.num_prompt_tokens and req.num_output_tokens > 0
 
 
-def _waiting_order(queue: Any) -> Iterable[Any]:
+def _waiting_order(queue: RequestQueue) -> Iterable[Request]:
     reqs = list(queue)
-    if type(queue).__name__ == "PriorityRequestQueue":  # a heap: iterate in service order
+    if isinstance(queue, PriorityRequestQueue):  # a heap: iterate in service order
         reqs.sort(key=lambda r: (r.priority, r.arrival_time))
     return reqs
 
 
-def propose(sched: Any, hidden: HiddenRequests, mode: ExecMode = ExecMode.EAGER) -> Proposal:
+def propose(sched: Scheduler, hidden: HiddenRequests, mode: ExecMode = ExecMode.EAGER) -> Proposal:
     """Estimate the client batch of the coming ``schedule()`` (see the module docstring)."""
     cfg = sched.scheduler_config
     budget = sched.max_num_scheduled_tokens
@@ -94,7 +99,7 @@ def propose(sched: Any, hidden: HiddenRequests, mode: ExecMode = ExecMode.EAGER)
     return Proposal(StepShape(tuple(prefills), decodes, kv, mode=mode), tokens)
 
 
-def scheduling_view(sched: Any, hidden: HiddenRequests, last_token_s: dict[str, float],
+def scheduling_view(sched: Scheduler, hidden: HiddenRequests, last_token_s: dict[str, float],
                     mode: ExecMode = ExecMode.EAGER, now_s: float | None = None
                     ) -> tuple[SchedulingView, Proposal]:
     """The proposed step and the SLO state of client requests (wall clock, like vLLM's
@@ -124,8 +129,8 @@ class Executed:
     hidden: dict[str, tuple[int, int]]
 
 
-def executed(so: Any, sched: Any, hidden: HiddenRequests, mode: ExecMode = ExecMode.EAGER
-             ) -> Executed:
+def executed(so: SchedulerOutput, sched: Scheduler, hidden: HiddenRequests,
+             mode: ExecMode = ExecMode.EAGER) -> Executed:
     """Read the executed step from a ``SchedulerOutput`` (pre-step ``num_computed_tokens``)."""
     prefills: list[int] = []
     ft: list[int] = []
@@ -153,7 +158,7 @@ def executed(so: Any, sched: Any, hidden: HiddenRequests, mode: ExecMode = ExecM
     return Executed(StepShape(tuple(prefills), decodes, kv, tuple(ft), mode), seen)
 
 
-def predict_mode(vllm_config: Any, shape: StepShape) -> ExecMode:
+def predict_mode(vllm_config: VllmConfig, shape: StepShape) -> ExecMode:
     """The mode vLLM's CUDA-graph dispatcher is expected to pick for ``shape`` (the worker
     reports the mode it actually used). Graph replay needs a captured size and, for a
     uniform-decode step, a decode graph mode; everything else falls back to its mixed mode."""

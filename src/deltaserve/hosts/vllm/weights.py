@@ -14,16 +14,15 @@ copy of the base weights in memory).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch import nn
 
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LayerWeights
-from deltaserve.model.loading import load_weights, read_config
+from deltaserve.model.loading import load_weights
 
 
-def _w(module: Any) -> torch.Tensor:
+def _w(module: nn.Module) -> torch.Tensor:
     """The weight of a (possibly LoRA-wrapped) vLLM layer, detached (same storage)."""
     return getattr(module, "base_layer", module).weight.detach()
 
@@ -37,19 +36,19 @@ def _rows(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def _bias(module: Any) -> torch.Tensor | None:
+def _bias(module: nn.Module) -> torch.Tensor | None:
     bias = getattr(getattr(module, "base_layer", module), "bias", None)
     return bias.detach() if bias is not None else None
 
 
-def views_available(model: Any) -> bool:
+def views_available(model: nn.Module) -> bool:
     """Whether the loaded model still holds plain weight tensors to view (not on CPU)."""
     layer = model.model.layers[0]
     return all(_w(m).numel() > 0 and _w(m).dim() == 2
                for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj))
 
 
-def weights_from_vllm(model: Any, config: ModelConfig) -> BaseWeights:
+def weights_from_vllm(model: nn.Module, config: ModelConfig) -> BaseWeights:
     """Views of a vLLM Llama-family model's weights as :class:`BaseWeights` (no copy)."""
     if not views_available(model):
         raise ValueError("vLLM's linear weights were repacked after loading (CPU); load the "
@@ -76,16 +75,9 @@ def weights_from_vllm(model: Any, config: ModelConfig) -> BaseWeights:
     return BaseWeights(embed, layers, model.model.norm.weight.detach(), lm_head)
 
 
-def backward_weights(model: Any, model_dir: str, dtype: torch.dtype
-                     ) -> tuple[ModelConfig, BaseWeights]:
+def backward_weights(model: nn.Module, config: ModelConfig, model_dir: str, dtype: torch.dtype
+                     ) -> BaseWeights:
     """Views of vLLM's weights where they exist (GPU), else a fresh load from ``model_dir``."""
-    config = read_config(_resolved(model_dir))
     if views_available(model):
-        return config, weights_from_vllm(model, config)
-    return load_weights(model_dir, dtype, "cpu")
-
-
-def _resolved(model_dir: str):
-    from deltaserve.model.loading import resolve_model
-
-    return resolve_model(model_dir)
+        return weights_from_vllm(model, config)
+    return load_weights(model_dir, dtype, "cpu")[1]

@@ -5,22 +5,34 @@ methods become worker methods callable through ``collective_rpc``. vLLM forbids 
 worker attribute and never runs an extension's ``__init__``, so every method here is new
 (``deltaserve_*``) and state is set up by the explicit :meth:`deltaserve_install` call.
 
-The worker and the scheduler meet in :mod:`registry` (same process, same ``VllmConfig``).
+The worker and the scheduler meet in :mod:`.link` (same process, same ``VllmConfig``). The
+``deltaserve_attach``/``status``/``detach`` RPCs run co-serving inside the engine process of
+``deltaserve serve`` (:mod:`.remote`); what crosses the process boundary is plain JSON of typed
+dataclasses (:mod:`deltaserve.core.config_io`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from deltaserve.hosts.vllm import registry
+import vllm
+from vllm.config import VllmConfig
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from deltaserve.core.config_io import JSONValue, from_dict, to_dict
 from deltaserve.hosts.vllm.hooks import ForwardHooks
-from deltaserve.hosts.vllm.publish import AdapterPublisher
+from deltaserve.hosts.vllm.link import link_for
+from deltaserve.hosts.vllm.remote import RemoteCoServing, ServeSpec
 from deltaserve.hosts.vllm.version import check_version
+from deltaserve.hosts.vllm.weights import views_available
+
+JSON = dict[str, JSONValue]
 
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """Facts about the worker's model the host reports and checks."""
+    """Facts about the worker's model: the capture path the hooks use, whether they can cut a
+    step short, how vLLM runs the model, and whether the backward can view its weights."""
 
     num_layers: int
     capture_path: str
@@ -33,70 +45,51 @@ class WorkerInfo:
 
 
 class CoServingWorkerExtension:
+    # set by vLLM's worker (annotations only: an extension may not define worker attributes)
+    vllm_config: VllmConfig
+    model_runner: GPUModelRunner
+
     # ---- set-up -----------------------------------------------------------------------------
-    def deltaserve_install(self, capture: str = "auto", interrupt: bool = True) -> dict:
+    def deltaserve_install(self, capture: str = "auto") -> WorkerInfo:
         """Install the forward hooks (timing, capture, interrupt) and join the engine's link.
-        Idempotent. Returns :class:`WorkerInfo` as a dict (it crosses process boundaries)."""
-        import vllm
-
-        from deltaserve.hosts.vllm.weights import views_available
-
+        Idempotent (a second call replaces the hooks, e.g. with another capture path)."""
         check_version(str(vllm.__version__))
-        link = registry.link_for(self.vllm_config)
-        old = getattr(self, "_deltaserve_hooks", None)
-        if old is not None:
-            old.remove()
-        hooks = ForwardHooks(self.model_runner, link, capture=capture, interrupt=interrupt)
+        link = link_for(self.vllm_config)
+        self.deltaserve_uninstall()
+        hooks = ForwardHooks(self.model_runner, link, capture)
         hooks.install()
-        self._deltaserve_hooks = hooks
-        link.worker = self
+        self.deltaserve_hooks: ForwardHooks | None = hooks
+        link.runner = self.model_runner
         cc = self.vllm_config.compilation_config
         runner = self.model_runner
-        return asdict(WorkerInfo(
-            hooks.num_layers, hooks.path, hooks.interrupt, int(cc.mode), str(cc.cudagraph_mode),
-            str(runner.device), getattr(runner, "lora_manager", None) is not None,
-            views_available(runner.model)))
+        return WorkerInfo(hooks.num_layers, hooks.path, hooks.interrupt, int(cc.mode),
+                          str(cc.cudagraph_mode), str(runner.device),
+                          getattr(runner, "lora_manager", None) is not None,
+                          views_available(runner.model))
 
     def deltaserve_uninstall(self) -> None:
-        hooks = getattr(self, "_deltaserve_hooks", None)
+        hooks = getattr(self, "deltaserve_hooks", None)
         if hooks is not None:
             hooks.remove()
-            self._deltaserve_hooks = None
-
-    def deltaserve_reserve_adapter(self, name: str, lora_id: int, path: str) -> int:
-        """Load the PEFT adapter at ``path`` as vLLM LoRA ``lora_id`` (replacing any adapter with
-        that id), pin it so LRU eviction never drops it, and point the publisher at its slot.
-        Returns the slot index."""
-        from vllm.lora.request import LoRARequest
-
-        if getattr(self.model_runner, "lora_manager", None) is None:
-            raise RuntimeError("vLLM was started without LoRA support: pass enable_lora=True")
-        if lora_id in self.list_loras():
-            self.remove_lora(lora_id)
-        request = LoRARequest(name, lora_id, path)
-        if not self.add_lora(request):
-            raise RuntimeError(f"vLLM refused to load the training adapter from {path}")
-        self.pin_lora(lora_id)
-        link = registry.link_for(self.vllm_config)
-        link.train_lora = request
-        link.publisher = AdapterPublisher(self.model_runner, lora_id)
-        return link.publisher.slot
+            self.deltaserve_hooks = None
 
     # ---- co-serving inside this process (``deltaserve serve``) ------------------------------
-    def deltaserve_attach(self, spec: dict) -> dict:
-        """Start attaching a co-server in the engine process from a JSON-able spec
-        (:class:`deltaserve.hosts.vllm.remote.RemoteSpec`); the engine loop then runs the
-        calibration and the co-server starts when it is done. Returns the status."""
-        from deltaserve.hosts.vllm.remote import begin_remote_attach
+    def deltaserve_attach(self, spec: JSON) -> JSON:
+        """Start co-serving from a :class:`ServeSpec` (as JSON): the dataset is loaded and the
+        engine loop runs the calibration; the co-server starts when it is done. Returns the
+        status (poll :meth:`deltaserve_status` until it leaves ``calibrating``)."""
+        side = self._deltaserve_remote()
+        return to_dict(side.begin(from_dict(ServeSpec, spec)))
 
-        return begin_remote_attach(self, spec)
+    def deltaserve_status(self) -> JSON:
+        return to_dict(self._deltaserve_remote().status())
 
-    def deltaserve_status(self) -> dict:
-        from deltaserve.hosts.vllm.remote import remote_status
+    def deltaserve_detach(self, drain: bool = True, checkpoint: bool = True) -> JSON:
+        return to_dict(self._deltaserve_remote().detach(drain=drain, checkpoint=checkpoint))
 
-        return remote_status(self)
-
-    def deltaserve_detach(self, drain: bool = True, checkpoint: bool = True) -> dict:
-        from deltaserve.hosts.vllm.remote import remote_detach
-
-        return remote_detach(self, drain, checkpoint)
+    def _deltaserve_remote(self) -> RemoteCoServing:
+        side = getattr(self, "deltaserve_remote", None)
+        if side is None:
+            side = RemoteCoServing(link_for(self.vllm_config), self.vllm_config)
+            self.deltaserve_remote: RemoteCoServing | None = side
+        return side

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from deltaserve.bench.report.table import blocks, render, update
+from deltaserve.bench.tables import blocks, render, update
 from deltaserve.cli import main
 from tests.conftest import make_word_tokenizer
 from tests.tiny import save_tiny

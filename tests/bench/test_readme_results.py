@@ -1,14 +1,14 @@
 """The README's result tables are the committed runs' ``results.json``, rendered.
 
 Each block between ``<!-- results: PATH -->`` and ``<!-- /results -->`` must equal
-``python -m deltaserve.bench.report.table PATH``; ``--update README.md`` rewrites them.
+``python -m deltaserve.bench.tables PATH``; ``--update README.md`` rewrites them.
 """
 
 from pathlib import Path
 
 import pytest
 
-from deltaserve.bench.report.table import blocks
+from deltaserve.bench.tables import blocks
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -20,4 +20,4 @@ def test_readme_results_blocks_match_their_committed_results():
                     "(commit a run's results.json and add its block)")
     for b in found:
         assert b.matches, (f"README block for {b.path} differs from its results.json; run "
-                           f"python -m deltaserve.bench.report.table --update README.md")
+                           f"python -m deltaserve.bench.tables --update README.md")

@@ -1,7 +1,7 @@
 """Everything a bench run measured, as one typed object and as ``results.json``.
 
 ``results.json`` is the artifact: the README's tables are rendered from a committed copy
-(:mod:`deltaserve.bench.report.table`), so its keys are a format. ``FORMAT`` names it.
+(:mod:`deltaserve.bench.tables`), so its keys are a format. ``FORMAT`` names it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from deltaserve.bench.report.table import COLUMNS, system_row
+from deltaserve.bench.tables import COLUMNS, system_row
 
 HARVEST_TEXT = """Harvest ratio, in core-seconds (device-seconds on a GPU): fine-tuning tokens the
 system committed ÷ ((the pilot's idle core-seconds + the core-seconds the system reserved for

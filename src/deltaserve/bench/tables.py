@@ -4,8 +4,8 @@ A README block between ``<!-- results: PATH -->`` and ``<!-- /results -->`` (PAT
 ``results.json``, relative to the README's folder) holds exactly :func:`render` of that file.
 ``tests/bench/test_readme_results.py`` checks every such block; this module rewrites them::
 
-    python -m deltaserve.bench.report.table results/2026-12-10-native-burst-light/results.json
-    python -m deltaserve.bench.report.table --update README.md
+    python -m deltaserve.bench.tables results/2026-12-10-native-burst-light/results.json
+    python -m deltaserve.bench.tables --update README.md
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def update(readme: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deltaserve.bench.report.table",
+    p = argparse.ArgumentParser(prog="python -m deltaserve.bench.tables",
                                 description=__doc__.splitlines()[0])
     p.add_argument("results", nargs="?", help="a results.json to render")
     p.add_argument("--update", metavar="README", help="rewrite the README's results blocks")

@@ -1,11 +1,14 @@
 import argparse
+import datetime
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.greedy import GreedyScheduler
 from deltaserve.bench.llmstation import LLMStationScheduler
+from deltaserve.bench.run import out_dir
 from deltaserve.bench.score import order
 from deltaserve.bench.systems import SYSTEMS, parse_systems
 from deltaserve.cli import main
@@ -109,3 +112,13 @@ def test_flags_are_generated_from_the_config_tree_with_its_defaults():
                                           yield_to_backward=False)
     with pytest.raises(SystemExit):  # an enum flag takes only its values
         p.parse_args(["--backward-grant-policy", "sometimes"])
+
+
+def test_out_placeholders_name_the_committed_layout():
+    cfg = BenchConfig(out="results/{date}-{host}-{trace}", trace="/data/azure_code.csv")
+    assert out_dir(cfg, datetime.date(2026, 12, 10)) == Path(
+        "results/2026-12-10-native-azure_code")
+    assert out_dir(BenchConfig(out="runs/x")) == Path("runs/x")
+    with pytest.raises(InputError) as e:
+        BenchConfig(out="results/{when}")
+    assert e.value.field == "out"

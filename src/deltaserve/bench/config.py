@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from deltaserve.core.errors import require
+from deltaserve.core.errors import InputError, require
 from deltaserve.hosts.config import HostConfig
 from deltaserve.hosts.registry import HOSTS
 from deltaserve.model.lora import LoRAConfig
@@ -30,6 +30,8 @@ class BenchConfig:
     SLOs: the pilot (inference-only on the trace, always run first) measures p99 TTFT and p99
     max-TPOT; the SLO is ``slo_scale`` × each. ``ttft_slo_ms`` / ``tpot_slo_ms`` override a
     side. ``slo_sweep`` ("1.25,1.5,2,3") runs every system at each scale.
+    ``out``: the results folder; ``{date}``, ``{host}`` and ``{trace}`` are filled in (the
+    committed runs live in ``results/{date}-{host}-{trace}``).
     ``latency_holdout_every``: every k-th step the latency model observes is predicted but never
     learned from (the held-apart error set; 0: none). ``latency_error_min_ms``: steps shorter
     than this are left out of the latency model's error (timer noise dominates them)."""
@@ -80,6 +82,11 @@ class BenchConfig:
                 "must be 0 (none) or >= 2 (the model must still learn from most steps)")
         require(self.latency_error_min_ms >= 0, "latency_error_min_ms",
                 self.latency_error_min_ms, "must be >= 0")
+        try:
+            self.out.format(date="", host="", trace="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise InputError("out", self.out, "may hold only {date}, {host} and {trace} "
+                             f"placeholders ({e})") from None
         require(self.host in HOSTS, "host", self.host, f"choose from {', '.join(HOSTS)}")
         require(self.duration_s is None or self.duration_s > 0, "duration", self.duration_s,
                 "must be > 0")

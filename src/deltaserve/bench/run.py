@@ -11,6 +11,7 @@ in git, so a results folder can be committed as it is.
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from dataclasses import dataclass
@@ -98,6 +99,14 @@ def _accuracy(cfg: BenchConfig, data_heldout, reps: Replays, threads: int
     return heldout_accuracy(cfg, data_heldout, run.adapter_dir, threads, "deltaserve")
 
 
+def out_dir(cfg: BenchConfig, today: datetime.date | None = None) -> Path:
+    """``--out`` with ``{date}``, ``{host}`` and ``{trace}`` filled in: the committed results'
+    layout is ``results/{date}-{host}-{trace}``."""
+    trace = Path(cfg.trace).stem if Path(cfg.trace).suffix else cfg.trace
+    return Path(cfg.out.format(date=(today or datetime.date.today()).isoformat(),
+                               host=cfg.host, trace=trace))
+
+
 def _workdir(out: Path) -> Path:
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -107,7 +116,7 @@ def _workdir(out: Path) -> Path:
 
 def run_bench(cfg: BenchConfig) -> dict:
     t_start, load_start = time.monotonic(), os.getloadavg()[0]
-    out = Path(cfg.out)
+    out = out_dir(cfg)
     work = _workdir(out)
     threads = torch.get_num_threads()
     specs = parse_systems(cfg.systems)

@@ -122,3 +122,6 @@ def test_out_placeholders_name_the_committed_layout():
     with pytest.raises(InputError) as e:
         BenchConfig(out="results/{when}")
     assert e.value.field == "out"
+    with pytest.raises(InputError) as e:
+        BenchConfig(calibration_file="lm_{host}.json")
+    assert e.value.field == "calibration_file"

@@ -30,6 +30,8 @@ class BenchConfig:
     SLOs: the pilot (inference-only on the trace, always run first) measures p99 TTFT and p99
     max-TPOT; the SLO is ``slo_scale`` × each. ``ttft_slo_ms`` / ``tpot_slo_ms`` override a
     side. ``slo_sweep`` ("1.25,1.5,2,3") runs every system at each scale.
+    ``calibration_file``: a saved latency model to use instead of calibrating; ``{threads}``
+    in it becomes each host's thread count (a host of 1 thread and one of 2 differ).
     ``out``: the results folder; ``{date}``, ``{host}`` and ``{trace}`` are filled in (the
     committed runs live in ``results/{date}-{host}-{trace}``).
     ``latency_holdout_every``: every k-th step the latency model observes is predicted but never
@@ -82,11 +84,8 @@ class BenchConfig:
                 "must be 0 (none) or >= 2 (the model must still learn from most steps)")
         require(self.latency_error_min_ms >= 0, "latency_error_min_ms",
                 self.latency_error_min_ms, "must be >= 0")
-        try:
-            self.out.format(date="", host="", trace="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise InputError("out", self.out, "may hold only {date}, {host} and {trace} "
-                             f"placeholders ({e})") from None
+        _check_placeholders("out", self.out, date="", host="", trace="")
+        _check_placeholders("calibration_file", self.calibration_file or "", threads=1)
         require(self.host in HOSTS, "host", self.host, f"choose from {', '.join(HOSTS)}")
         require(self.duration_s is None or self.duration_s > 0, "duration", self.duration_s,
                 "must be > 0")
@@ -110,6 +109,14 @@ class BenchConfig:
         """The scales every SLO-aware system runs at: the sweep's and ``slo_scale`` (whose run
         is the main result), in increasing order."""
         return tuple(sorted({*parse_scales(self.slo_sweep), self.slo_scale}))
+
+
+def _check_placeholders(name: str, value: str, **fields: object) -> None:
+    try:
+        value.format(**fields)
+    except (KeyError, IndexError, ValueError) as e:
+        known = ", ".join("{" + f + "}" for f in fields)
+        raise InputError(name, value, f"may hold only the placeholders {known} ({e})") from None
 
 
 def parse_scales(text: str | None) -> tuple[float, ...]:

@@ -110,10 +110,12 @@ def calibration_config(cfg: BenchConfig) -> CalibrationConfig:
 
 
 def calibrate(cfg: BenchConfig, work: Path, threads: int) -> Path:
-    """The latency model of a host running on ``threads`` CPU threads, saved under ``work``."""
+    """The latency model of a host running on ``threads`` CPU threads, saved under ``work``
+    (``--calibration-file`` instead, its ``{threads}`` filled in: a previous run's
+    ``work/latency_model_{threads}t.json`` skips calibrating again)."""
     path = work / f"latency_model_{threads}t.json"
     if cfg.calibration_file:
-        LatencyModel.load(cfg.calibration_file).save(path)
+        LatencyModel.load(cfg.calibration_file.format(threads=threads)).save(path)
         return path
     host = make_host(cfg, threads)
     try:

@@ -43,13 +43,12 @@ def test_compute_known_answers():
         "harvest_ratio"}
 
 
-def test_idle_fraction_and_harvest():
-    steps = [StepRecord(1.0, StepShape((5,)), 0.5, 0, False),
-             StepRecord(2.0, StepShape(num_decode=2), 1.5, 0, False)]
-    assert M.idle_fraction(steps, 8.0) == pytest.approx(0.75)
-    # 30 tok/s harvested out of 100 tok/s × 75 % idle
-    assert M.harvest_ratio(30.0, 100.0, 0.75) == pytest.approx(0.4)
-    assert M.harvest_ratio(30.0, 100.0, 0.0) is None
+def test_p99_latencies_are_the_slo_derivation_inputs():
+    ttft, tpot = M.p99_latencies_ms(RECORDS)
+    # TTFTs of every request with a first token; longest gaps of finished requests only
+    assert ttft == pytest.approx(1e3 * (0.9 + 0.96 * (1.5 - 0.9)))
+    assert tpot == pytest.approx(1e3 * (0.1 + 0.97 * (0.5 - 0.1)))
+    assert M.p99_latencies_ms([]) == (None, None)
 
 
 def test_empty_run():
@@ -106,10 +105,6 @@ def test_a_trainer_holding_a_core_is_charged_for_it_all_run():
     busy = M.idle_capacity(steps_of(10.0), wall_s=10.0, cores=2)
     assert busy.idle_core_s == 0.0
     assert M.harvest(500, busy, RATE, reserved_cores=1, wall_s=10.0).ratio == pytest.approx(1.0)
-    # the old definition (tokens/s ÷ (machine tokens/s × idle share)) gave the same trainer
-    # 50 / (100 × 0.6) ≈ 0.83 here, and above 1 once inference is busier (0.3 idle: 1.67)
-    assert M.harvest_ratio(50.0, 100.0, 0.6) == pytest.approx(50 / 60)
-    assert M.harvest_ratio(50.0, 100.0, 0.3) > 1
     assert M.harvest(500, M.idle_capacity(steps_of(7.0), 10.0, 2), RATE, 1, 10.0).ratio \
         == pytest.approx(500 / ((6 + 10) * 50))
 

@@ -1,32 +1,56 @@
 """The split-pool baseline's standalone trainer."""
 
 import itertools
+import random
 import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from deltaserve.bench.split_pool import StandaloneTrainer, _batches
-from deltaserve.core.data import IGNORE_INDEX
+from deltaserve.bench.split_pool import StandaloneTrainer, _batches, pool_order
+from deltaserve.core.data import IGNORE_INDEX, TrainingSample
+from deltaserve.core.pool import SamplePool
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.optim import OptimizerConfig
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
 
 
-def test_batches_take_whole_samples_until_the_budget_and_cycle():
-    samples = fx.samples(10)
-    gen = _batches(samples, 64)
-    seen = []
-    while len(seen) < 2 * len(samples):
-        batch = next(gen)
+def _of_lengths(lengths):
+    return [TrainingSample(i, tuple(range(1, n + 1)), tuple(range(1, n + 1)))
+            for i, n in enumerate(lengths)]
+
+
+LENGTHS = [12, 8, 20, 8, 12, 8, 30, 20, 8, 12, 8, 16]
+
+
+def test_trainer_takes_samples_in_the_order_the_coservers_admission_claims_them():
+    """The reference: a co-server's pool as admission uses it (claim_first of a few samples
+    per step, committed once trained), over three epochs."""
+    pool = SamplePool(LENGTHS, num_epochs=None, seed=7)
+    rng = random.Random(0)
+    claimed: list[int] = []
+    while len(claimed) < 3 * len(LENGTHS):
+        ids = pool.claim_first(rng.randint(1, 3))
+        pool.commit(ids)
+        claimed += ids
+    got = list(itertools.islice(pool_order(LENGTHS, seed=7), len(claimed)))
+    assert got == claimed
+    # in increasing length per epoch; equal lengths reshuffled by the next epoch's seed
+    first, second = got[:len(LENGTHS)], got[len(LENGTHS):2 * len(LENGTHS)]
+    assert [LENGTHS[i] for i in first] == sorted(LENGTHS)
+    assert first != second and sorted(first) == sorted(second) == list(range(len(LENGTHS)))
+
+
+def test_batches_take_whole_samples_until_the_budget():
+    samples = _of_lengths(LENGTHS)
+    order = pool_order(LENGTHS, seed=3)
+    for batch in itertools.islice(_batches(samples, 40, seed=3), 12):
         tokens = [s.num_tokens for s in batch]
-        # each batch reaches the budget with its last sample, or ends the pass over the data
-        assert sum(tokens[:-1]) < 64
-        assert sum(tokens) >= 64 or batch[-1] is samples[-1]
-        seen += [s.sample_id for s in batch]
-    assert seen[:20] == list(range(10)) * 2  # in order, then again: an endless trainer
+        # each batch closes with the sample that reaches the budget (which may overshoot)
+        assert sum(tokens[:-1]) < 40 <= sum(tokens)
+        assert [s.sample_id for s in batch] == list(itertools.islice(order, len(batch)))
 
 
 def _loss(model, batch):
@@ -53,6 +77,8 @@ def test_trainer_reports_each_step_and_starts_from_the_base_model(tmp_path):
     want = list(itertools.islice(_batches(samples, 64), len(steps)))
     assert [s.num_tokens for s in steps] == [sum(x.num_tokens for x in b) for b in want]
     assert [s.num_samples for s in steps] == [len(b) for b in want]
+    assert [s.num_padded_tokens for s in steps] == [
+        len(b) * max(x.num_tokens for x in b) for b in want]
     assert all(a.at_s <= b.at_s for a, b in itertools.pairwise(steps))
     # LoRA B starts at zero: the first step's loss is the base model's
     base = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)

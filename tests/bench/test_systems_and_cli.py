@@ -1,10 +1,15 @@
 import argparse
+import datetime
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.greedy import GreedyScheduler
 from deltaserve.bench.llmstation import LLMStationScheduler
+from deltaserve.bench.run import out_dir
+from deltaserve.bench.score import order
 from deltaserve.bench.systems import SYSTEMS, parse_systems
 from deltaserve.cli import main
 from deltaserve.cli_flags import add_dataclass_flags, from_args
@@ -20,19 +25,49 @@ def test_parse_systems():
                                        "split-pool"]
     assert not specs[0].coserve and specs[1].mode is AdmissionMode.TEMP
     assert specs[2].scheduler_cls is LLMStationScheduler and specs[3].split_pool
-    assert len(parse_systems(",".join(SYSTEMS))) == 7
-    pipe, = parse_systems("deltaserve-pipeline")
+    assert len(parse_systems(",".join(SYSTEMS))) == len(SYSTEMS) == 9
+    pilot, pipe = parse_systems("deltaserve-pipeline")  # the pilot runs whether listed or not
+    assert pilot.name == "inference-only" and not pilot.coserve
     assert pipe.coserve and pipe.pipeline and pipe.mode is AdmissionMode.FULL
+    _, lp = parse_systems("llmstation-pipeline")
+    assert lp.pipeline and lp.scheduler_cls is LLMStationScheduler
+    assert lp.pair == "deltaserve-pipeline" and pipe.pair == "llmstation-pipeline"
+    _, greedy = parse_systems("greedy")
+    assert greedy.coserve and greedy.scheduler_cls is GreedyScheduler and not greedy.slo_aware
     with pytest.raises(InputError):
         parse_systems("deltaserve,s-lora")
     with pytest.raises(InputError):
         parse_systems("deltaserve,deltaserve")
 
 
+def test_every_pair_is_a_known_system_and_a_table_puts_pairs_side_by_side():
+    specs = parse_systems(",".join(SYSTEMS))
+    assert all(s.pair in SYSTEMS for s in specs[1:]) and specs[0].pair is None
+    names = order(specs)
+    assert sorted(names) == sorted(SYSTEMS) and names[0] == "inference-only"
+    for a, b in (("deltaserve", "llmstation"), ("deltaserve-pipeline", "llmstation-pipeline")):
+        assert names.index(b) == names.index(a) + 1
+
+
 def test_bench_config_validation():
     with pytest.raises(InputError) as e:
         BenchConfig(ttft_slo_ms=0)
     assert e.value.field == "ttft_slo_ms"
+    for bad in ("1.5,x", "1,-2", "nan"):
+        with pytest.raises(InputError) as e:
+            BenchConfig(slo_sweep=bad)
+        assert e.value.field == "slo_sweep"
+    with pytest.raises(InputError) as e:  # a sweep scales the pilot: no fixed SLO beside it
+        BenchConfig(slo_sweep="1.5,2", tpot_slo_ms=300.0)
+    assert e.value.field == "slo_sweep"
+    with pytest.raises(InputError) as e:
+        BenchConfig(slo_scale=0)
+    assert e.value.field == "slo_scale"
+    with pytest.raises(InputError) as e:
+        BenchConfig(latency_holdout_every=1)
+    assert e.value.field == "latency_holdout_every"
+    assert BenchConfig(slo_scale=2.0, slo_sweep="3, 1.25,2").slo_scales == (1.25, 2.0, 3.0)
+    assert BenchConfig(slo_scale=2.0).slo_scales == (2.0,)
     with pytest.raises(InputError):
         BenchConfig(max_prompt_tokens=1000, max_output_tokens=100,
                     engine=HostConfig(max_model_len=1024))
@@ -51,8 +86,11 @@ def test_bool_flags_follow_their_default():
     p = argparse.ArgumentParser()
     add_dataclass_flags(p, BenchConfig)
     cfg = from_args(BenchConfig, p.parse_args(["--skip-bad-rows", "--no-progress",
-                                               "--duration", "30"]))
+                                               "--duration", "30", "--slo-sweep", "1.25,2"]))
     assert cfg.skip_bad_rows is True and cfg.progress is False and cfg.duration_s == 30.0
+    # the sweep's scales and the main one (the default --slo-scale)
+    assert cfg.slo_scales == tuple(sorted({1.25, 2.0, BenchConfig().slo_scale}))
+    assert cfg.ttft_slo_ms is None and cfg.tpot_slo_ms is None
     cfg = from_args(BenchConfig, p.parse_args([]))
     assert cfg.skip_bad_rows is False and cfg.progress is True and cfg.duration_s is None
 
@@ -74,3 +112,16 @@ def test_flags_are_generated_from_the_config_tree_with_its_defaults():
                                           yield_to_backward=False)
     with pytest.raises(SystemExit):  # an enum flag takes only its values
         p.parse_args(["--backward-grant-policy", "sometimes"])
+
+
+def test_out_placeholders_name_the_committed_layout():
+    cfg = BenchConfig(out="results/{date}-{host}-{trace}", trace="/data/azure_code.csv")
+    assert out_dir(cfg, datetime.date(2026, 12, 10)) == Path(
+        "results/2026-12-10-native-azure_code")
+    assert out_dir(BenchConfig(out="runs/x")) == Path("runs/x")
+    with pytest.raises(InputError) as e:
+        BenchConfig(out="results/{when}")
+    assert e.value.field == "out"
+    with pytest.raises(InputError) as e:
+        BenchConfig(calibration_file="lm_{host}.json")
+    assert e.value.field == "calibration_file"

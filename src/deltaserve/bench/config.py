@@ -4,17 +4,18 @@ own config classes, so their defaults are the library's."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from deltaserve.core.errors import require
+from deltaserve.core.errors import InputError, require
 from deltaserve.hosts.config import HostConfig
 from deltaserve.hosts.registry import HOSTS
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.config import BackwardConfig
 from deltaserve.train.optim import OptimizerConfig
 
-DEFAULT_SYSTEMS = ("inference-only,deltaserve,deltaserve-pipeline,llmstation,split-pool,"
-                   "deltaserve-temp")
+DEFAULT_SYSTEMS = ("inference-only,deltaserve,llmstation,deltaserve-pipeline,llmstation-pipeline,"
+                   "greedy,split-pool")
 
 
 @dataclass(frozen=True)
@@ -24,15 +25,28 @@ class BenchConfig:
     token counts to the model and machine (prompts and outputs are then clipped to fit).
     ``skip_bad_rows``: skip (and count) malformed dataset rows instead of stopping at the first.
     ``pipeline``: admit the next backward batch while the backward runs in every co-serving
-    system (Algorithm 1 waits; this overlaps them, at one optimizer step of staleness)."""
+    system (Algorithm 1 waits; this overlaps them, at one optimizer step of staleness).
+
+    SLOs: the pilot (inference-only on the trace, always run first) measures p99 TTFT and p99
+    max-TPOT; the SLO is ``slo_scale`` × each. ``ttft_slo_ms`` / ``tpot_slo_ms`` override a
+    side. ``slo_sweep`` ("1.25,1.5,2,3") runs every system at each scale.
+    ``calibration_file``: a saved latency model to use instead of calibrating; ``{threads}``
+    in it becomes each host's thread count (a host of 1 thread and one of 2 differ).
+    ``out``: the results folder; ``{date}``, ``{host}`` and ``{trace}`` are filled in (the
+    committed runs live in ``results/{date}-{host}-{trace}``).
+    ``latency_holdout_every``: every k-th step the latency model observes is predicted but never
+    learned from (the held-apart error set; 0: none). ``latency_error_min_ms``: steps shorter
+    than this are left out of the latency model's error (timer noise dominates them)."""
 
     trace: str = "burst-light"
     systems: str = DEFAULT_SYSTEMS
     duration_s: float | None = field(default=None, metadata={"flag": "duration"})
     dataset: str | None = None
     skip_bad_rows: bool = False
-    ttft_slo_ms: float = 3000.0
-    tpot_slo_ms: float = 400.0
+    slo_scale: float = 1.5
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    slo_sweep: str | None = None
     out: str = "runs/bench"
     seed: int = 0
     host: str = "native"
@@ -51,11 +65,27 @@ class BenchConfig:
     calibration_file: str | None = None
     standalone_seconds: float = 20.0
     heldout: int = 60
+    latency_holdout_every: int = 10
+    latency_error_min_ms: float = 20.0
     progress: bool = True
 
     def __post_init__(self) -> None:
-        require(self.ttft_slo_ms > 0, "ttft_slo_ms", self.ttft_slo_ms, "must be > 0")
-        require(self.tpot_slo_ms > 0, "tpot_slo_ms", self.tpot_slo_ms, "must be > 0")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            require(v is None or (math.isfinite(v) and v > 0), name, v, "must be > 0")
+        require(math.isfinite(self.slo_scale) and self.slo_scale > 0, "slo_scale",
+                self.slo_scale, "must be > 0")
+        parse_scales(self.slo_sweep)
+        require(not (self.slo_sweep and (self.ttft_slo_ms or self.tpot_slo_ms)), "slo_sweep",
+                self.slo_sweep, "a sweep scales the pilot's p99s; drop --ttft-slo-ms and "
+                "--tpot-slo-ms")
+        require(self.latency_holdout_every == 0 or self.latency_holdout_every >= 2,
+                "latency_holdout_every", self.latency_holdout_every,
+                "must be 0 (none) or >= 2 (the model must still learn from most steps)")
+        require(self.latency_error_min_ms >= 0, "latency_error_min_ms",
+                self.latency_error_min_ms, "must be >= 0")
+        _check_placeholders("out", self.out, date="", host="", trace="")
+        _check_placeholders("calibration_file", self.calibration_file or "", threads=1)
         require(self.host in HOSTS, "host", self.host, f"choose from {', '.join(HOSTS)}")
         require(self.duration_s is None or self.duration_s > 0, "duration", self.duration_s,
                 "must be > 0")
@@ -73,3 +103,33 @@ class BenchConfig:
         require(self.standalone_seconds > 0, "standalone_seconds", self.standalone_seconds,
                 "must be > 0")
         require(self.heldout >= 0, "heldout", self.heldout, "must be >= 0")
+
+    @property
+    def slo_scales(self) -> tuple[float, ...]:
+        """The scales every SLO-aware system runs at: the sweep's and ``slo_scale`` (whose run
+        is the main result), in increasing order."""
+        return tuple(sorted({*parse_scales(self.slo_sweep), self.slo_scale}))
+
+
+def _check_placeholders(name: str, value: str, **fields: object) -> None:
+    try:
+        value.format(**fields)
+    except (KeyError, IndexError, ValueError) as e:
+        known = ", ".join("{" + f + "}" for f in fields)
+        raise InputError(name, value, f"may hold only the placeholders {known} ({e})") from None
+
+
+def parse_scales(text: str | None) -> tuple[float, ...]:
+    """``"1.25,1.5,2,3"`` as numbers; ``None`` or empty: none."""
+    scales = []
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        try:
+            v = float(part)
+        except ValueError:
+            v = math.nan
+        require(math.isfinite(v) and v > 0, "slo_sweep", text,
+                f"{part.strip()!r} is not a scale > 0; give e.g. 1.25,1.5,2,3")
+        scales.append(v)
+    return tuple(scales)

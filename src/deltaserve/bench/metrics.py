@@ -38,9 +38,8 @@ runs on fewer cores than the standalone measurement and threads scale sub-linear
 per core-second), or (c) the system slowed inference without reserving cores (a backward
 time-sliced with the host): SLO attainment then shows the cost.
 
-The older ``idle_fraction`` / ``harvest_ratio`` pair (standalone tokens/s × the idle share of
-the wall time) ignores reserved cores, so a split pool scored above 1; they stay only until the
-bench switches to :func:`idle_capacity` and :func:`harvest`.
+(An older ratio, standalone tokens/s × the idle share of the wall time, ignored reserved cores,
+so a split pool that harvests no idle time scored 2.33; it is gone.)
 """
 
 from __future__ import annotations
@@ -87,17 +86,11 @@ def _pct(values: list[float], q: float, scale: float = 1.0) -> float | None:
     return float(np.percentile(values, q)) * scale if values else None
 
 
-def idle_fraction(steps: Sequence[StepRecord], wall_s: float) -> float:
-    """Share of the wall time with no step running."""
-    busy = sum(s.seconds for s in steps)
-    return max(0.0, 1.0 - busy / wall_s) if wall_s > 0 else 0.0
-
-
-def harvest_ratio(ft_tokens_per_s: float, standalone_tokens_per_s: float,
-                  inference_idle_fraction: float) -> float | None:
-    """The old ratio (see the module docstring); :func:`harvest` replaces it."""
-    denom = standalone_tokens_per_s * inference_idle_fraction
-    return ft_tokens_per_s / denom if denom > 0 else None
+def p99_latencies_ms(records: Sequence[RequestRecord]) -> tuple[float | None, float | None]:
+    """p99 TTFT and p99 longest token gap (finished requests), in ms: what an SLO derives from."""
+    ttft = [r.ttft_s for r in records if r.ttft_s is not None]
+    tpot = [r.max_tpot_s for r in records if r.finished]
+    return _pct(ttft, 99, 1e3), _pct(tpot, 99, 1e3)
 
 
 @dataclass(frozen=True)
@@ -183,15 +176,15 @@ def compute(records: Sequence[RequestRecord], slo: SLOConfig, wall_s: float, ft_
             ft_samples: int, latency_model_mape: float | None,
             harvest: float | None = None) -> SystemMetrics:
     ttft = [r.ttft_s for r in records if r.ttft_s is not None]
-    tpot = [r.max_tpot_s for r in records if r.finished]
+    ttft_p99_ms, tpot_p99_ms = p99_latencies_ms(records)
     e2e = [r.e2e_s for r in records if r.e2e_s is not None]
     return SystemMetrics(
         ft_tokens_per_s=ft_tokens / wall_s if wall_s > 0 else 0.0,
         ft_samples_per_s=ft_samples / wall_s if wall_s > 0 else 0.0,
         slo_attainment=attainment(records, slo),
         ttft_p50_ms=_pct(ttft, 50, 1e3),
-        ttft_p99_ms=_pct(ttft, 99, 1e3),
-        tpot_p99_ms=_pct(tpot, 99, 1e3),
+        ttft_p99_ms=ttft_p99_ms,
+        tpot_p99_ms=tpot_p99_ms,
         mean_e2e_s=float(np.mean(e2e)) if e2e else None,
         completed_requests=sum(r.finished for r in records),
         latency_model_mape=latency_model_mape,

@@ -1,21 +1,56 @@
-"""What one system's run left behind, for the metrics and the report."""
+"""What one system's run left behind, for the metrics and the report.
+
+A host that replays a trace its own way (the simulated host) builds these from its own
+:class:`~deltaserve.bench.replay.ReplayResult` and hands them to
+:func:`deltaserve.bench.score.score_run` and the report like the bench does.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.bench.latency_holdout import ModeError
 from deltaserve.bench.replay import ReplayResult
 from deltaserve.bench.systems import SystemSpec
 
 
+@dataclass(frozen=True)
+class Commit:
+    """One optimizer step: when it landed (``time.monotonic()`` s), its tokens and samples, and
+    the tokens its trainer computed with padding (= ``num_tokens`` for packed rows)."""
+
+    at_s: float
+    num_tokens: int
+    num_samples: int
+    num_padded_tokens: int
+
+
+@dataclass(frozen=True)
+class HardwareShare:
+    """How the system split the machine's ``cores`` (threads): ``host`` for the inference
+    host, ``reserved`` held by training for the whole run (split-pool's trainer, a backward on
+    partitioned cores); 0 reserved when training shares the host's cores."""
+
+    cores: int
+    host: int
+    reserved: int
+
+
 @dataclass
 class SystemRun:
-    """``ft_commits``: (``time.monotonic()`` s, tokens, samples) of each optimizer step.
-    ``mape_by_mode``: the latency model's out-of-sample error per execution mode."""
+    """``slo_scale``: the SLO scale it ran under (None for a system that ignores the SLO).
+    ``latency``: the latency model's error per execution mode, online and held out."""
 
     spec: SystemSpec
     result: ReplayResult
-    ft_commits: list[tuple[float, int, int]]
-    mape_by_mode: dict[str, float]
+    commits: list[Commit]
+    latency: tuple[ModeError, ...]
+    share: HardwareShare
+    slo_scale: float | None = None
     adapter_dir: str | None = None
     train_log: str | None = None
+
+    def window_commits(self) -> list[Commit]:
+        """The commits that landed during the replay."""
+        r = self.result
+        return [c for c in self.commits if r.start_s <= c.at_s <= r.end_s]

@@ -3,13 +3,21 @@
 A standalone PEFT + torch AdamW trainer in its own process on its own share of the machine
 (here: its own CPU threads), training the same samples in the same batch size, with no
 coordination with inference. It reports each optimizer step as it lands.
+
+Its sample order and packing are DeltaServe's, so that a ratio of the two measures scheduling:
+samples in increasing length, equal lengths in the co-server's pool's seeded order for the
+epoch (the order comes from a :class:`~deltaserve.core.pool.SamplePool` itself), whole samples
+to each batch until it reaches ``batch_tokens`` (the last one may overshoot, as the co-server's
+backward batch does). What remains different is padding: the trainer pads a batch to its
+longest sample, where DeltaServe's backward runs packed rows; each step reports its padded
+tokens so the bench can state the trainer's padded-token efficiency.
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +26,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from deltaserve.core.data import IGNORE_INDEX, TrainingSample
+from deltaserve.core.pool import SamplePool
 from deltaserve.model.loading import resolve_dtype
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.optim import OptimizerConfig
@@ -29,24 +38,36 @@ class TrainerStep:
     num_tokens: int
     num_samples: int
     loss: float
+    num_padded_tokens: int = 0  # rows × the batch's longest sample: what the trainer computed
 
 
-def _batches(samples: Sequence[TrainingSample], batch_tokens: int):
+def pool_order(lengths: Sequence[int], seed: int) -> Iterator[int]:
+    """Sample indices in the order a co-server's pool with ``seed`` offers them, epoch after
+    epoch, endlessly."""
+    pool = SamplePool(list(lengths), num_epochs=None, seed=seed)
     while True:
-        batch, n = [], 0
-        for s in samples:
-            batch.append(s)
-            n += s.num_tokens
-            if n >= batch_tokens:
-                yield batch
-                batch, n = [], 0
-        if batch:
+        ids = [sid for sid, _ in pool.iter_available()]
+        yield from ids
+        pool.claim(ids)
+        pool.commit(ids)  # the last commit starts the next epoch (a new seeded order)
+
+
+def _batches(samples: Sequence[TrainingSample], batch_tokens: int, seed: int = 0
+             ) -> Iterator[list[TrainingSample]]:
+    """Batches of whole samples in pool order, each closed once it reaches ``batch_tokens``."""
+    batch: list[TrainingSample] = []
+    n = 0
+    for i in pool_order([s.num_tokens for s in samples], seed):
+        batch.append(samples[i])
+        n += samples[i].num_tokens
+        if n >= batch_tokens:
             yield batch
+            batch, n = [], 0
 
 
 def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
                  optimizer: OptimizerConfig, batch_tokens: int, threads: int, dtype: str,
-                 steps, stop, ready) -> None:
+                 seed: int, steps, stop, ready) -> None:
     torch.set_num_threads(threads)
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype)),
@@ -57,7 +78,7 @@ def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAC
     opt = torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
                             betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps)
     ready.value = 1
-    for batch in _batches(samples, batch_tokens):
+    for batch in _batches(samples, batch_tokens, seed):
         if stop.value:
             return
         n = max(s.num_tokens for s in batch)
@@ -71,7 +92,7 @@ def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAC
         opt.step()
         opt.zero_grad()
         steps.put(TrainerStep(time.monotonic(), sum(s.num_tokens for s in batch), len(batch),
-                              float(out.loss.detach())))
+                              float(out.loss.detach()), n * len(batch)))
 
 
 class StandaloneTrainer:
@@ -79,7 +100,7 @@ class StandaloneTrainer:
 
     def __init__(self, model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
                  optimizer: OptimizerConfig, batch_tokens: int, threads: int,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", seed: int = 0):
         ctx = mp.get_context("spawn")
         self._steps = ctx.Queue()
         # bare shared bytes, not Events: a killed process cannot leave a lock held behind
@@ -87,7 +108,8 @@ class StandaloneTrainer:
         self._ready = ctx.Value("b", 0, lock=False)
         self._proc = ctx.Process(target=trainer_main, daemon=True, name="split-pool-trainer",
                                  args=(model_path, list(samples), lora, optimizer, batch_tokens,
-                                       threads, dtype, self._steps, self._stop, self._ready))
+                                       threads, dtype, seed, self._steps, self._stop,
+                                       self._ready))
         self.steps: list[TrainerStep] = []
 
     def start(self, timeout_s: float = 300.0) -> None:
@@ -123,11 +145,12 @@ class StandaloneTrainer:
 
 def standalone_tokens_per_s(model_path: str, samples: Sequence[TrainingSample],
                             lora: LoRAConfig, optimizer: OptimizerConfig, batch_tokens: int,
-                            threads: int, seconds: float, dtype: str = "float32") -> float:
+                            threads: int, seconds: float, dtype: str = "float32",
+                            seed: int = 0) -> float:
     """Training tokens/s of a trainer that has ``threads`` to itself, measured over
     ``seconds`` after its first step (which pays one-time costs)."""
     trainer = StandaloneTrainer(model_path, samples, lora, optimizer, batch_tokens, threads,
-                                dtype)
+                                dtype, seed)
     trainer.start()
     deadline = time.monotonic() + seconds + 120
     while len(trainer.collect()) < 1 and time.monotonic() < deadline:

@@ -1,15 +1,23 @@
-"""The systems a benchmark compares, all on the same host, trace, model and data."""
+"""The systems a benchmark compares, all on the same host, trace, model and data.
+
+Each system but the pilot is reported beside its *pair*, the system that differs from it in one
+thing only, so a ratio of the two measures that thing: ``deltaserve`` / ``llmstation``
+(admission, neither overlapping forward and backward), ``deltaserve-pipeline`` /
+``llmstation-pipeline`` (admission, both overlapping), ``greedy`` / ``deltaserve`` (pricing
+steps against Δ or not), ``split-pool`` / ``deltaserve`` (co-serving or a static split),
+``deltaserve-temp`` and ``deltaserve-no-interrupt`` / ``deltaserve`` (the ablations).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.bench.greedy import GreedyScheduler
 from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.core.admission import AdmissionMode, AdmissionScheduler
 from deltaserve.core.errors import InputError
 
-SYSTEMS = ("inference-only", "deltaserve", "deltaserve-pipeline", "deltaserve-temp",
-           "deltaserve-no-interrupt", "llmstation", "split-pool")
+PILOT = "inference-only"
 
 
 @dataclass(frozen=True)
@@ -17,7 +25,9 @@ class SystemSpec:
     """``coserve``: fine-tuning rides in the host's batches; ``split_pool``: the host gets part
     of the machine and a standalone trainer the rest; ``pipeline``: admission fills the next
     backward batch while the backward runs (Algorithm 1 waits for it), at one optimizer step of
-    staleness in the captured activations."""
+    staleness in the captured activations. ``pair``: the system it is reported beside.
+    ``slo_aware``: its behaviour depends on the SLO (an SLO sweep reruns it per SLO; the others
+    run once and are scored against each)."""
 
     name: str
     coserve: bool = False
@@ -26,25 +36,36 @@ class SystemSpec:
     scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler
     split_pool: bool = False
     pipeline: bool = False
+    pair: str | None = None
+    slo_aware: bool = False
 
 
-_SPECS = {
-    "inference-only": SystemSpec("inference-only"),
-    "deltaserve": SystemSpec("deltaserve", coserve=True),
-    "deltaserve-pipeline": SystemSpec("deltaserve-pipeline", coserve=True, pipeline=True),
-    "deltaserve-temp": SystemSpec("deltaserve-temp", coserve=True, mode=AdmissionMode.TEMP),
-    "deltaserve-no-interrupt": SystemSpec("deltaserve-no-interrupt", coserve=True,
-                                          interrupt=False),
-    "llmstation": SystemSpec("llmstation", coserve=True, scheduler_cls=LLMStationScheduler),
-    "split-pool": SystemSpec("split-pool", split_pool=True),
-}
+_SPECS = {s.name: s for s in (
+    SystemSpec(PILOT),
+    SystemSpec("deltaserve", coserve=True, pair="llmstation", slo_aware=True),
+    SystemSpec("llmstation", coserve=True, scheduler_cls=LLMStationScheduler, pair="deltaserve",
+               slo_aware=True),
+    SystemSpec("deltaserve-pipeline", coserve=True, pipeline=True, pair="llmstation-pipeline",
+               slo_aware=True),
+    SystemSpec("llmstation-pipeline", coserve=True, scheduler_cls=LLMStationScheduler,
+               pipeline=True, pair="deltaserve-pipeline", slo_aware=True),
+    SystemSpec("greedy", coserve=True, scheduler_cls=GreedyScheduler, pair="deltaserve"),
+    SystemSpec("split-pool", split_pool=True, pair="deltaserve"),
+    # temp trains only in steps with no inference work: no slack is priced
+    SystemSpec("deltaserve-temp", coserve=True, mode=AdmissionMode.TEMP, pair="deltaserve"),
+    SystemSpec("deltaserve-no-interrupt", coserve=True, interrupt=False, pair="deltaserve",
+               slo_aware=True),
+)}
+SYSTEMS = tuple(_SPECS)
 
 
 def parse_systems(text: str) -> tuple[SystemSpec, ...]:
+    """The listed systems, with the pilot (inference-only) first whether listed or not: the
+    SLO and the idle capacity are measured on it."""
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [n for n in names if n not in _SPECS]
     if unknown or not names:
         raise InputError("systems", text, f"choose from {', '.join(SYSTEMS)}")
     if len(set(names)) != len(names):
         raise InputError("systems", text, "a system is listed twice")
-    return tuple(_SPECS[n] for n in names)
+    return (_SPECS[PILOT], *(_SPECS[n] for n in names if n != PILOT))

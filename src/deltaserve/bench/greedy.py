@@ -1,0 +1,52 @@
+"""The ``greedy`` control: co-serving that admits up to the step limit, blind to Δ.
+
+It keeps every rule of Algorithm 1 that is about capacity (nothing while the backward runs
+unless pipelined, a full buffer, an empty pool, the host's per-step token and sequence limits,
+``max_ft_tokens_per_step``, the backward batch being filled) and drops the one about time: the
+latency model and the requests' slack play no part. It lends no slack to the backward either
+(:meth:`yield_budget_s` is 0), so nothing it does depends on the SLO: one run of it can be
+scored against every SLO of a sweep.
+
+Its purpose is to prove an SLO binds: if ``greedy`` meets the SLO as well as ``deltaserve``,
+the SLO is too loose to tell a policy that prices its steps from one that does not.
+"""
+
+from __future__ import annotations
+
+import math
+
+from deltaserve.core.admission import AdmissionPlan, AdmissionScheduler, SchedulingView, Skip
+
+
+class GreedyScheduler(AdmissionScheduler):
+    def yield_budget_s(self, view: SchedulingView) -> float:
+        return 0.0
+
+    def plan(self, view: SchedulingView, *, backward_running: bool = False,
+             batch_room_tokens: int | None = None) -> AdmissionPlan:
+        proposed = view.proposed
+        skip = self._precheck(view, backward_running)
+        if skip is None and batch_room_tokens is not None and batch_room_tokens <= 0:
+            skip = Skip.BUFFER_FULL
+        if skip is not None:
+            return AdmissionPlan((), proposed, None, math.nan, skip)
+        room_tokens = min(self.limits.max_tokens_per_step - proposed.num_tokens,
+                          self.config.max_ft_tokens_per_step, self.ledger.largest_free_run)
+        room_seqs = self.limits.max_seqs_per_step - proposed.num_seqs
+        batch_room = math.inf if batch_room_tokens is None else batch_room_tokens
+        lens: list[int] = []
+        tok, stop = 0, Skip.POOL_EMPTY
+        for _, n in self.pool.iter_available():
+            if tok >= batch_room:  # a sample may start only while the batch is short
+                stop = Skip.BUFFER_FULL
+                break
+            if tok + n > room_tokens or len(lens) >= room_seqs:
+                stop = Skip.BUFFER_FULL if tok + n > self.ledger.largest_free_run \
+                    else Skip.STEP_LIMIT
+                break
+            lens.append(n)
+            tok += n
+        if not lens:
+            return AdmissionPlan((), proposed, None, math.nan, stop)
+        return self._admit(proposed, lens, None, self.model.predict(proposed.with_ft(
+            tuple(lens))), stop)

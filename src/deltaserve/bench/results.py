@@ -1,0 +1,111 @@
+"""Everything a bench run measured, as one typed object and as ``results.json``.
+
+``results.json`` is the artifact: the README's tables are rendered from a committed copy
+(:mod:`deltaserve.bench.tables`), so its keys are a format. ``FORMAT`` names it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.prepare import FittedTrace
+from deltaserve.bench.score import Binding, Comparison, HarvestBase, SystemScore
+from deltaserve.bench.slo import SLOChoice
+from deltaserve.core.data import DatasetReport
+from deltaserve.core.latency_model import FitQuality
+
+FORMAT = "deltaserve.bench/2"
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """Every system scored against one SLO scale. ``scores``: by system; a system that ignores
+    the SLO ran once and is scored against each scale's SLO."""
+
+    slo: SLOChoice
+    scores: dict[str, SystemScore]
+
+    def as_json(self) -> dict:
+        return {"scale": self.slo.scale, "slo": asdict(self.slo),
+                "systems": {n: {"ft_tokens_per_s": s.metrics.ft_tokens_per_s,
+                                "slo_attainment": s.metrics.slo_attainment,
+                                "harvest_ratio": s.metrics.harvest_ratio,
+                                "ran_at_scale": s.slo_scale is not None}
+                            for n, s in self.scores.items()}}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """``load_average``: the 1-minute load average when the run started and ended (other work
+    on the machine slows every system alike only if it stays constant)."""
+
+    threads: int
+    cpu_count: int | None
+    cuda: bool
+    host: str
+    model: str
+    load_average: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class HeldoutAccuracy:
+    """Exact-match accuracy on the generated task's held-out split, before and after training
+    (``after`` None: no adapter was saved)."""
+
+    before: float
+    after: float | None
+    system: str
+
+
+@dataclass(frozen=True)
+class BenchResults:
+    """``main``: the systems at ``slo`` (``--slo-scale``), in report order; ``sweep``: every
+    scale of ``--slo-sweep`` (empty without one)."""
+
+    trace: FittedTrace
+    slo: SLOChoice
+    main: SweepPoint
+    binding: Binding
+    comparisons: list[Comparison]
+    sweep: list[SweepPoint]
+    harvest: HarvestBase
+    machine: Machine
+    calibration: tuple[FitQuality, ...]
+    dataset: DatasetReport
+    dataset_path: str
+    config: BenchConfig
+    heldout_accuracy: HeldoutAccuracy | None = None
+    wall_s: float = 0.0
+
+    def as_json(self) -> dict:
+        t = self.trace.trace
+        return {
+            "format": FORMAT,
+            "trace": {"name": t.name, "source": self.config.trace, "requests": len(t),
+                      "duration_s": t.duration_s, "peak_rps": t.peak_rate(),
+                      "mean_rps": t.mean_rate, "rate_factor": self.trace.rate_factor,
+                      "capacity_rps": self.trace.capacity_rps,
+                      "length_scale": self.config.length_scale},
+            "slo": asdict(self.slo) | {"text": self.slo.describe()},
+            "slo_binding": self.binding.as_json(),
+            "systems": {n: s.as_json() for n, s in self.main.scores.items()},
+            "comparisons": [c.as_json() for c in self.comparisons],
+            "sweep": [p.as_json() for p in self.sweep],
+            "harvest": self.harvest.as_json(),
+            "heldout_accuracy": asdict(self.heldout_accuracy) if self.heldout_accuracy else None,
+            "calibration": [{"equation": q.equation.value, "mode": q.mode.value,
+                             "points": q.num_points, "mape": q.mape, "r2": q.r2}
+                            for q in self.calibration],
+            "dataset": asdict(self.dataset) | {"path": self.dataset_path},
+            "machine": asdict(self.machine),
+            "config": asdict(self.config),
+            "wall_s": self.wall_s,
+        }
+
+    def write(self, path: Path) -> dict:
+        doc = self.as_json()
+        path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        return doc

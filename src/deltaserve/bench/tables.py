@@ -1,0 +1,138 @@
+"""The README's result tables, rendered from a committed ``results.json``.
+
+A README block between ``<!-- results: PATH -->`` and ``<!-- /results -->`` (PATH: the
+``results.json``, relative to the README's folder) holds exactly :func:`render` of that file.
+``tests/bench/test_readme_results.py`` checks every such block; this module rewrites them::
+
+    python -m deltaserve.bench.tables results/2026-12-10-native-burst-light/results.json
+    python -m deltaserve.bench.tables --update README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK = re.compile(r"(?P<open><!-- results: (?P<path>\S+) -->\n)(?P<body>.*?)(?P<close><!-- "
+                   r"/results -->)", re.S)
+COLUMNS = ("system", "pair", "FT tokens/s", "× pair", "SLO attainment", "TTFT p50 / p99 (ms)",
+           "TPOT p99 (ms)", "harvest", "latency MAPE online / held-out", "cores host + training")
+
+
+def _num(v: float | None, fmt: str, unit: str = "") -> str:
+    return "–" if v is None else f"{v:{fmt}}{unit}"
+
+
+def _pct(v: float | None) -> str:
+    return _num(None if v is None else 100 * v, ".1f", " %")
+
+
+def _pooled(by_mode: list[dict], key: str) -> float | None:
+    rows = [m for m in by_mode if m[f"{key}_mape"] is not None and m[f"{key}_steps"]]
+    n = sum(m[f"{key}_steps"] for m in rows)
+    return sum(m[f"{key}_mape"] * m[f"{key}_steps"] for m in rows) / n if n else None
+
+
+def system_row(name: str, s: dict, systems: dict) -> list[str]:
+    pair = s.get("pair")
+    ft = s["ft_tokens_per_s"]
+    other = systems.get(pair, {}).get("ft_tokens_per_s") if pair else None
+    by_mode = s["latency_model_by_mode"]
+    share = s["hardware_share"]
+    return [name, pair or "–", _num(ft, ".0f"),
+            _num(ft / other if other else None, ".2f", "×"), _pct(s["slo_attainment"]),
+            f"{_num(s['ttft_p50_ms'], '.0f')} / {_num(s['ttft_p99_ms'], '.0f')}",
+            _num(s["tpot_p99_ms"], ".0f"), _num(s["harvest"]["ratio"], ".2f"),
+            f"{_pct(_pooled(by_mode, 'online'))} / {_pct(_pooled(by_mode, 'heldout'))}",
+            f"{share['host']} + {share['reserved']}"]
+
+
+def _table(head: Sequence[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _sweep(doc: dict) -> list[str]:
+    points = doc.get("sweep") or []
+    if not points:
+        return []
+    head = ["system", *(f"×{p['scale']:g}: FT tokens/s (SLO)" for p in points)]
+    rows = [[name, *(f"{_num(p['systems'][name]['ft_tokens_per_s'], '.0f')} "
+                     f"({_pct(p['systems'][name]['slo_attainment'])})" for p in points)]
+            for name in points[0]["systems"]]
+    return ["", "SLO sweep (scale × the pilot's p99s):", "", *_table(head, rows)]
+
+
+def render(doc: dict) -> str:
+    """The README block for one run: what was run, the SLO and its verdict, the systems
+    beside their pairs, the comparisons, and the sweep if there was one."""
+    t, m = doc["trace"], doc["machine"]
+    systems = doc["systems"]
+    lines = [f"Trace {t['name']}: {t['requests']} requests over {t['duration_s']:.0f} s, peak "
+             f"{t['peak_rps']:.2f} req/s; {m['model']} on the {m['host']} host, "
+             f"{m['threads']} threads. SLO: {doc['slo']['text']}. "
+             f"Verdict: {doc['slo_binding']['verdict']}.", ""]
+    lines += _table(COLUMNS, [system_row(n, s, systems) for n, s in systems.items()])
+    comps = [[f"{c['system']} / {c['baseline']}", _num(c["ft_ratio"], ".2f", "×"),
+              f"{_pct(c['system_attainment'])} / {_pct(c['baseline_attainment'])}"]
+             for c in doc["comparisons"]]
+    if comps:
+        lines += ["", *_table(("comparison", "FT tokens/s ratio", "SLO attainment"), comps)]
+    return "\n".join(lines + _sweep(doc)) + "\n"
+
+
+def render_file(path: Path) -> str:
+    return render(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class Block:
+    """A README results block: the file it names, what it holds, what that file renders to."""
+
+    path: str
+    body: str
+    expected: str
+
+    @property
+    def matches(self) -> bool:
+        return self.body == self.expected
+
+
+def blocks(readme: Path) -> list[Block]:
+    """Every results block of ``readme``; a named file that is missing is a FileNotFoundError."""
+    text = readme.read_text()
+    return [Block(mt["path"], mt["body"], render_file(readme.parent / mt["path"]))
+            for mt in BLOCK.finditer(text)]
+
+
+def update(readme: Path) -> int:
+    """Rewrite every results block of ``readme`` from its file; the number of blocks."""
+    text = readme.read_text()
+    new, n = BLOCK.subn(lambda mt: mt["open"] + render_file(readme.parent / mt["path"])
+                        + mt["close"], text)
+    readme.write_text(new)
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deltaserve.bench.tables",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("results", nargs="?", help="a results.json to render")
+    p.add_argument("--update", metavar="README", help="rewrite the README's results blocks")
+    ns = p.parse_args(argv)
+    if ns.update:
+        print(f"rewrote {update(Path(ns.update))} results block(s) in {ns.update}")
+    elif ns.results:
+        sys.stdout.write(render_file(Path(ns.results)))
+    else:
+        p.error("give a results.json or --update README")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

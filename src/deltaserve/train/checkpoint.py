@@ -64,12 +64,16 @@ logger = logging.getLogger("deltaserve.checkpoint")
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """``root`` None disables checkpoints. ``every_steps``: optimizer steps between two."""
+    """``root`` None disables checkpoints. ``every_steps``: optimizer steps between two.
+    ``resume_from``: resume from exactly this checkpoint directory, whatever else ``root``
+    holds (a caller that recorded which checkpoints it saw; newer ones are written over as
+    training reaches their steps again). A damaged one is an :class:`InputError`."""
 
     root: str | None = None
     every_steps: int = 50
     keep: int = 2
     resume: bool = True
+    resume_from: str | None = None
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 1, "checkpoint_every", self.every_steps, "must be >= 1")
@@ -383,17 +387,3 @@ def _equal_tensors(x: object, y: object) -> bool:
             and all(isinstance(x[k], torch.Tensor) and isinstance(y[k], torch.Tensor)
                     and x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x))
 
-
-class TrainingLog:
-    """Appends one JSON line per optimizer step."""
-
-    def __init__(self, path: str | os.PathLike | None):
-        self.path = Path(path) if path else None
-        if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: JsonObject) -> None:
-        if self.path is None:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")

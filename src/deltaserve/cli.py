@@ -3,7 +3,8 @@
 
     deltaserve bench [--trace burst-light] [--systems a,b] [--duration S] ...
     deltaserve calibrate --out latency_model.json [--model smollm2] [--host native]
-    deltaserve serve --engine vllm MODEL --finetune-dataset PATH ...
+    deltaserve serve [MODEL] [--api-key KEY] [--data-dir DIR] ...   (the embedded engine)
+    deltaserve serve --engine vllm MODEL [vLLM flags] ...
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from deltaserve.bench.run import run_bench
 from deltaserve.cli_flags import add_dataclass_flags, from_args
 from deltaserve.core.errors import InputError
 from deltaserve.hosts.config import HostConfig
+from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.registry import HOSTS, create_host
 from deltaserve.model.lora import LoRAConfig
+from deltaserve.server.launch import ServeConfig, serve
 
 
 def _writable(path: str, field: str) -> Path:
@@ -47,11 +50,38 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--host", choices=tuple(HOSTS), default="native")
     add_dataclass_flags(cal, HostConfig)
     add_dataclass_flags(cal, LoRAConfig, prefix="lora-")
-    serve = sub.add_parser("serve", help="serve the OpenAI API with co-serving on")
-    serve.add_argument("--engine", choices=("vllm",), default="vllm")
-    serve.add_argument("rest", nargs=argparse.REMAINDER,
-                       help="MODEL --finetune-dataset PATH [co-serving and vLLM flags]")
+    serve = sub.add_parser(
+        "serve", help="the OpenAI inference, Files and Fine-tuning Jobs APIs, co-serving",
+        description="Serve MODEL (default: the built-in model) on the embedded engine. With "
+        "--engine vllm, every argument after it goes to vLLM's server: "
+        "deltaserve serve --engine vllm MODEL [vLLM flags].")
+    serve.add_argument("--engine", choices=ENGINES, default="native")
+    serve.add_argument("host.model", nargs="?", default=EngineConfig().model, metavar="MODEL",
+                       help="a Hugging Face directory, a .gguf file or a built-in name "
+                            "(default: %(default)s)")
+    add_dataclass_flags(serve, ServeConfig)
     return parser
+
+
+ENGINES = ("native", "vllm")
+
+
+def _engine(args: list[str]) -> str:
+    """``serve``'s ``--engine`` (vLLM takes every other argument, so it is read first)."""
+    for i, arg in enumerate(args):
+        if arg == "--engine" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--engine="):
+            return arg.split("=", 1)[1]
+    return "native"
+
+
+def _serve_vllm(args: list[str]) -> int:
+    rest = [a for i, a in enumerate(args) if a != "--engine" and not a.startswith("--engine=")
+            and not (i > 0 and args[i - 1] == "--engine")]
+    from deltaserve.hosts.vllm.serve import main as serve_main  # the lazy engine import
+
+    return serve_main(rest)
 
 
 def _calibrate(ns: argparse.Namespace) -> None:
@@ -69,6 +99,9 @@ def _calibrate(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"] and _engine(argv[1:]) == "vllm":
+        return _serve_vllm(argv[1:])
     ns = _parser().parse_args(argv)
     try:
         if ns.command == "bench":
@@ -76,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.command == "calibrate":
             _calibrate(ns)
         elif ns.command == "serve":
-            from deltaserve.hosts.vllm.serve import main as serve_main
-
-            return serve_main(ns.rest)
+            serve(from_args(ServeConfig, ns))
     except InputError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2

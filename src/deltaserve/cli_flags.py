@@ -5,7 +5,10 @@ fields become ``--name`` / ``--no-name`` switches, enums take their values as ch
 take one or more values. A field that is itself a config dataclass contributes its own fields,
 under the prefix in its ``metadata={"prefix": ...}`` (default: its name and a dash). A field's
 metadata may rename its flag (``"flag"``) or add help (``"help"``); a nested field's
-``"skip"`` lists inner fields that get no flag (they keep their defaults).
+``"skip"`` lists inner fields that get no flag (they keep their defaults). A nested field's
+flags default to the values of its own default (so a parent may give a nested config without
+defaults of its own, e.g. an SLO, a default instance). A config that rejects its values names
+the flag in the error: ``--slo-ttft-s=-5.0: ...``.
 """
 
 from __future__ import annotations
@@ -30,21 +33,27 @@ def _nested_prefix(f: dataclasses.Field, prefix: str) -> str:
     return prefix + f.metadata.get("prefix", f.name.replace("_", "-") + "-")
 
 
+def _flag(f: dataclasses.Field, prefix: str) -> str:
+    return "--" + prefix + f.metadata.get("flag", f.name.replace("_", "-"))
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-                        prefix: str = "", dest: str = "", skip: tuple[str, ...] = ()) -> None:
-    """One flag per (nested) field of ``cls``; ``dest`` keys are the fields' dotted paths."""
+                        prefix: str = "", dest: str = "", skip: tuple[str, ...] = (),
+                        defaults: object | None = None) -> None:
+    """One flag per (nested) field of ``cls``; ``dest`` keys are the fields' dotted paths.
+    ``defaults``: an instance of ``cls`` whose values are the flags' defaults."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or f.metadata.get("cli") is False:
             continue
         kind = _unwrap(hints[f.name])
         path = f"{dest}{f.name}"
+        default = getattr(defaults, f.name) if defaults is not None else _default(f)
         if dataclasses.is_dataclass(kind):
             add_dataclass_flags(parser, kind, _nested_prefix(f, prefix), f"{path}.",
-                                tuple(f.metadata.get("skip", ())))
+                                tuple(f.metadata.get("skip", ())), default)
             continue
-        flag = "--" + prefix + f.metadata.get("flag", f.name.replace("_", "-"))
-        default = _default(f)
+        flag = _flag(f, prefix)
         help_text = f.metadata.get("help", "") + (f" (default: {default})"
                                                   if default is not None else "")
         if kind is bool:
@@ -69,8 +78,9 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def from_args(cls: type, ns: Namespace, dest: str = "", **given: Any) -> Any:
-    """``cls`` built from the parsed flags (``given`` supplies fields that have no flag)."""
+def from_args(cls: type, ns: Namespace, dest: str = "", prefix: str = "", **given: Any) -> Any:
+    """``cls`` built from the parsed flags (``given`` supplies fields that have no flag).
+    ``prefix``: the flags' prefix, to name a flag in a rejected value's error."""
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -80,8 +90,28 @@ def from_args(cls: type, ns: Namespace, dest: str = "", **given: Any) -> Any:
         kind = _unwrap(hints[f.name])
         path = f"{dest}{f.name}"
         if dataclasses.is_dataclass(kind) and not hasattr(ns, path):
-            kwargs[f.name] = from_args(kind, ns, f"{path}.")
+            if any(k.startswith(f"{path}.") for k in vars(ns)):
+                kwargs[f.name] = from_args(kind, ns, f"{path}.", _nested_prefix(f, prefix))
         elif hasattr(ns, path):
             value = getattr(ns, path)
             kwargs[f.name] = tuple(value) if isinstance(value, list) else value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # core's InputError (a ValueError; this layer may not import it)
+        field = getattr(e, "field", None)
+        if not isinstance(field, str):
+            raise
+        named = _flag_named(cls, prefix, field)
+        if named == field:
+            raise
+        raise type(e)(named, getattr(e, "value", None), getattr(e, "reason", str(e))) from None
+
+
+def _flag_named(cls: type, prefix: str, field: str) -> str:
+    """The flag of ``cls`` that an error's ``field`` names (a field name, or the flag's own
+    name with underscores), else ``field`` unchanged."""
+    for f in dataclasses.fields(cls):
+        flag = _flag(f, prefix)
+        if field in (f.name, flag[2:].replace("-", "_")):
+            return flag
+    return field

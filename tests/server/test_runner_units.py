@@ -38,6 +38,8 @@ def test_steps_wait_for_their_validation_loss_and_keep_their_order():
     t.feed(ValidationLoss(0.0, 1, 2.25, 40, 0.6))
     m2 = StepMetrics(2, 2.5, 0.5, 120, valid_loss=2.25)
     assert t.take() == [StepEvent(m2), CheckpointEvent(Path("/ck/checkpoint-000002"), m2)]
+    t.feed(CheckpointSaved(0.0, 2, "/ck/checkpoint-000002"))  # saved again as it closed
+    assert t.take() == []
     t.feed(opt(2, validating=True))
     t.feed(ValidationLoss(0.0, 2, None, 0, None, "Traceback ...\nIndexError: out of range"))
     t.feed(StepLost(0.0, 3, 4, "backward process died (exit code -9)"))

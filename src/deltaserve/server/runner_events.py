@@ -58,6 +58,7 @@ class EventTranslator:
         self._last = resumed
         self._pending: deque[TrainingEvent] = deque()
         self._valid: dict[int, ValidationLoss] = {}
+        self._checkpoint: tuple[int, str] | None = None  # the last one reported
 
     def feed(self, event: TrainingEvent) -> None:
         """Any thread; never raises into the caller's step (a bug here is the job's, not the
@@ -90,8 +91,11 @@ class EventTranslator:
             return self._step(ev)
         if isinstance(ev, CheckpointSaved):
             m = self._last
-            if m is None or m.step != ev.step:
-                return []  # step 0 (nothing trained), or a step whose metrics never came
+            if m is None or m.step != ev.step or self._checkpoint == (ev.step, ev.path):
+                # step 0 (nothing trained), a step whose metrics never came, or the same
+                # checkpoint again (the last step's, saved once more as the co-server closed)
+                return []
+            self._checkpoint = (ev.step, ev.path)
             return [CheckpointEvent(Path(ev.path), m)]
         if isinstance(ev, StepLost):
             return [NoticeEvent(f"Step {ev.step + 1} did not reach the adapter "

@@ -19,6 +19,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from deltaserve.core.data import DataConfig, load_dataset
+from deltaserve.hosts.base import RESERVED_ADAPTER_PREFIX
+from deltaserve.server.protocols import InferenceBackend, ServingStats, TrainingRunner
 from tests.server.live import API_KEY, TERMINAL, raw_request, upload, wait_for, wait_status
 from tests.server.real import serve_config, start_real_server, task_files
 from tests.server.test_dashboard import CHROMIUM, chromium
@@ -100,6 +102,17 @@ def test_job_trains_validates_and_serves_its_model(real, tmp_path):
     assert tuned == peft_greedy(real.config.host.model, final_dir, tok)
     assert base == peft_greedy(real.config.host.model, None, tok)
 
+    # /metrics reads the co-servers' and the host's own counters
+    scrape = raw_request(real, "GET", "/metrics",
+                         headers={"Authorization": f"Bearer {API_KEY}"}).body.decode()
+    values = dict(line.rsplit(" ", 1) for line in scrape.splitlines()
+                  if line.startswith("deltaserve:") and "{" not in line)
+    assert float(values["deltaserve:ft_tokens_committed_total"]) >= job.trained_tokens
+    assert float(values["deltaserve:ft_tokens_admitted_total"]) >= job.trained_tokens
+    assert float(values["deltaserve:requests_finished_total"]) >= 2
+    assert float(values["deltaserve:step_time_measured_seconds_count"]) > 0
+    assert 0 < float(values["deltaserve:backward_busy_ratio"]) <= 1
+
 
 def write(path, content: bytes):
     path.write_bytes(content)
@@ -146,6 +159,15 @@ def test_bad_input_is_refused_with_the_reason(real):
     with pytest.raises(openai.AuthenticationError):
         real.client(api_key="wrong").models.list()
     assert raw_request(real, "GET", "/v1/models").status == 401  # no key at all
+    with pytest.raises(openai.NotFoundError):  # the training adapter has no client name
+        client.chat.completions.create(model=f"{RESERVED_ADAPTER_PREFIX}train",
+                                       messages=PROMPT, max_tokens=2)
+
+
+def test_the_real_parts_satisfy_the_service_protocols(real):
+    s = real.service
+    assert isinstance(s.host, InferenceBackend) and isinstance(s.runner, TrainingRunner)
+    assert isinstance(s.stats, ServingStats)
 
 
 QUESTIONS = [f"Add {a} and {b}. Answer with the number only." for a, b in

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.server.live import API_KEY, TERMINAL, upload, wait_for, wait_status
-from tests.server.real import LORA, engine_config, task_files
+from tests.server.real import LORA, engine_config, serve_config, start_real_server, task_files
 from tests.server.test_jobs import all_events
 from tests.server.test_restart import ServerProcess, free_port
 
@@ -132,3 +132,30 @@ def test_killed_mid_job_resumes_exactly_once_and_trains_the_same_adapter(
     assert worst <= 1e-5
     moved = max(float(theirs[k].abs().max()) for k in theirs if "lora_B" in k)
     assert moved > 1e-3  # it trained (B starts at zero)
+
+
+def test_shutdown_checkpoints_and_pauses_the_running_job(tiny_service, tmp_path):
+    """A clean stop (what SIGTERM does) discards nothing: the running job is checkpointed at
+    its last step and left paused; after a restart it resumes from there and succeeds."""
+    model, latency = tiny_service
+    config = serve_config(model, latency, tmp_path / "data")
+    server = start_real_server(config)
+    client = server.client()
+    train, _ = task_files(24, seed=9)
+    job = client.fine_tuning.jobs.create(model=str(model), training_file=upload(client, train).id,
+                                         hyperparameters={"n_epochs": 2, "batch_size": 2})
+    wait_for(lambda: any(e.type == "metrics" for e in all_events(client, job.id)), 600,
+             "a first step")
+    server.stop()
+    server = start_real_server(config)
+    try:
+        client = server.client()
+        assert client.fine_tuning.jobs.retrieve(job.id).status == "paused"
+        steps = [e.data["step"] for e in all_events(client, job.id) if e.type == "metrics"]
+        assert client.fine_tuning.jobs.checkpoints.list(job.id).data[0].step_number == steps[-1]
+        client.fine_tuning.jobs.resume(job.id)
+        assert wait_status(client, job.id, TERMINAL, timeout_s=900).status == "succeeded"
+        steps = [e.data["step"] for e in all_events(client, job.id) if e.type == "metrics"]
+        assert steps == list(range(1, len(steps) + 1))
+    finally:
+        server.stop()

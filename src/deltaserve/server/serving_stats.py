@@ -31,7 +31,8 @@ from deltaserve.server.protocols import ServingStatsSnapshot
 
 
 def online_mape(model: LatencyModel | None) -> float | None:
-    """The online MAPE of every mode pooled, weighted by steps (None before any)."""
+    """The online MAPE of every mode pooled, weighted by steps (None before any). Read while
+    the stepping thread records: at worst one of the window's rows is a step behind."""
     errors = model.online_error() if model is not None else ()
     steps = sum(e.num_steps for e in errors)
     return sum(e.mape * e.num_steps for e in errors) / steps if steps else None

@@ -3,7 +3,8 @@
 
     deltaserve bench [--trace burst-light] [--systems a,b] [--duration S] ...
     deltaserve calibrate --out latency_model.json [--model smollm2] [--host native]
-    deltaserve serve --engine vllm MODEL --finetune-dataset PATH ...
+    deltaserve serve [MODEL] [--api-key KEY] [--data-dir DIR] ...   (the embedded engine)
+    deltaserve serve --engine vllm MODEL [vLLM flags] ...
 """
 
 from __future__ import annotations
@@ -13,29 +14,61 @@ import sys
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.run import run_bench
-from deltaserve.cli_flags import add_dataclass_flags, from_args
+from deltaserve.cli_flags import add_dataclass_flags, checked_from_args, from_args
 from deltaserve.core.errors import InputError
 from deltaserve.hosts.config import HostConfig
+from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.registry import HOSTS, create_host
 from deltaserve.model.lora import LoRAConfig
+from deltaserve.server.launch import ServeConfig, serve
 from deltaserve.train.preflight import writable_file
 
+Flags = dict[str, str]
 
-def _parser() -> argparse.ArgumentParser:
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, Flags]]:
+    """The parser, and each subcommand's flags by their dest (to name a rejected flag)."""
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="replay a trace against every system; write a report")
-    add_dataclass_flags(bench, BenchConfig)
+    flags = {"bench": add_dataclass_flags(bench, BenchConfig)}
     cal = sub.add_parser("calibrate", help="fit a host's latency model; write it as JSON")
     cal.add_argument("--out", default="latency_model.json")
     cal.add_argument("--host", choices=tuple(HOSTS), default="native")
     add_dataclass_flags(cal, HostConfig)
     add_dataclass_flags(cal, LoRAConfig, prefix="lora-")
-    serve = sub.add_parser("serve", help="serve the OpenAI API with co-serving on")
-    serve.add_argument("--engine", choices=("vllm",), default="vllm")
-    serve.add_argument("rest", nargs=argparse.REMAINDER,
-                       help="MODEL --finetune-dataset PATH [co-serving and vLLM flags]")
-    return parser
+    serve = sub.add_parser(
+        "serve", help="the OpenAI inference, Files and Fine-tuning Jobs APIs, co-serving",
+        description="Serve MODEL (default: the built-in model) on the embedded engine. With "
+        "--engine vllm, every argument after it goes to vLLM's server: "
+        "deltaserve serve --engine vllm MODEL [vLLM flags].")
+    serve.add_argument("--engine", choices=ENGINES, default="native")
+    serve.add_argument("host.model", nargs="?", default=EngineConfig().model, metavar="MODEL",
+                       help="a Hugging Face directory, a .gguf file or a built-in name "
+                            "(default: %(default)s)")
+    flags["serve"] = add_dataclass_flags(serve, ServeConfig)
+    return parser, flags
+
+
+ENGINES = ("native", "vllm")
+
+
+def _engine(args: list[str]) -> str:
+    """``serve``'s ``--engine`` (vLLM takes every other argument, so it is read first)."""
+    for i, arg in enumerate(args):
+        if arg == "--engine" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--engine="):
+            return arg.split("=", 1)[1]
+    return "native"
+
+
+def _serve_vllm(args: list[str]) -> int:
+    rest = [a for i, a in enumerate(args) if a != "--engine" and not a.startswith("--engine=")
+            and not (i > 0 and args[i - 1] == "--engine")]
+    from deltaserve.hosts.vllm.serve import main as serve_main  # the lazy engine import
+
+    return serve_main(rest)
 
 
 def _calibrate(ns: argparse.Namespace) -> None:
@@ -53,16 +86,18 @@ def _calibrate(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"] and _engine(argv[1:]) == "vllm":
+        return _serve_vllm(argv[1:])
+    parser, flags = _parser()
+    ns = parser.parse_args(argv)
     try:
         if ns.command == "bench":
-            run_bench(from_args(BenchConfig, ns))
+            run_bench(checked_from_args(BenchConfig, ns, flags["bench"]))
         elif ns.command == "calibrate":
             _calibrate(ns)
         elif ns.command == "serve":
-            from deltaserve.hosts.vllm.serve import main as serve_main
-
-            return serve_main(ns.rest)
+            serve(checked_from_args(ServeConfig, ns, flags["serve"]))
     except InputError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,10 @@ fields become ``--name`` / ``--no-name`` switches, enums take their values as ch
 take one or more values. A field that is itself a config dataclass contributes its own fields,
 under the prefix in its ``metadata={"prefix": ...}`` (default: its name and a dash). A field's
 metadata may rename its flag (``"flag"``) or add help (``"help"``); a nested field's
-``"skip"`` lists inner fields that get no flag (they keep their defaults).
+``"skip"`` lists inner fields that get no flag (they keep their defaults). A nested field's
+flags default to the values of its own default (so a parent may give a nested config without
+defaults of its own, e.g. an SLO, a default instance). A config that rejects its values names
+the flag in the error: ``--slo-ttft-s=-5.0: ...``.
 """
 
 from __future__ import annotations
@@ -33,11 +36,16 @@ def _nested_prefix(f: dataclasses.Field, prefix: str) -> str:
     return prefix + f.metadata.get("prefix", f.name.replace("_", "-") + "-")
 
 
+def _flag(f: dataclasses.Field, prefix: str) -> str:
+    return "--" + prefix + f.metadata.get("flag", f.name.replace("_", "-"))
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-                        prefix: str = "", dest: str = "", skip: tuple[str, ...] = ()
-                        ) -> dict[str, str]:
+                        prefix: str = "", dest: str = "", skip: tuple[str, ...] = (),
+                        defaults: object | None = None) -> dict[str, str]:
     """One flag per (nested) field of ``cls``; ``dest`` keys are the fields' dotted paths.
-    Returns each flag by its ``dest`` (for :func:`checked_from_args`)."""
+    ``defaults``: an instance of ``cls`` whose values are the flags' defaults. Returns each
+    flag by its ``dest`` (for :func:`checked_from_args`)."""
     hints = typing.get_type_hints(cls)
     flags: dict[str, str] = {}
     for f in dataclasses.fields(cls):
@@ -45,13 +53,13 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
             continue
         kind = _unwrap(hints[f.name])
         path = f"{dest}{f.name}"
+        default = getattr(defaults, f.name) if defaults is not None else _default(f)
         if dataclasses.is_dataclass(kind):
             flags.update(add_dataclass_flags(parser, kind, _nested_prefix(f, prefix), f"{path}.",
-                                             tuple(f.metadata.get("skip", ()))))
+                                             tuple(f.metadata.get("skip", ())), default))
             continue
-        flag = "--" + prefix + f.metadata.get("flag", f.name.replace("_", "-"))
+        flag = _flag(f, prefix)
         flags[path] = flag
-        default = _default(f)
         help_text = f.metadata.get("help", "") + (f" (default: {default})"
                                                   if default is not None else "")
         if kind is bool:
@@ -88,15 +96,16 @@ def from_args(cls: type[T], ns: Namespace, dest: str = "", **given: object) -> T
         kind = _unwrap(hints[f.name])
         path = f"{dest}{f.name}"
         if dataclasses.is_dataclass(kind) and not hasattr(ns, path):
-            kwargs[f.name] = from_args(kind, ns, f"{path}.")
+            if any(k.startswith(f"{path}.") for k in vars(ns)):
+                kwargs[f.name] = from_args(kind, ns, f"{path}.")
         elif hasattr(ns, path):
             value = getattr(ns, path)
             kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)
 
 
-def checked_from_args(cls: type, ns: Namespace, flags: dict[str, str], dest: str = "",
-                      **given: Any) -> Any:
+def checked_from_args(cls: type[T], ns: Namespace, flags: dict[str, str], dest: str = "",
+                      **given: object) -> T:
     """:func:`from_args`, with a config error re-raised naming the flag that set the value."""
     try:
         return from_args(cls, ns, dest, **given)
@@ -133,3 +142,4 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, list):
         a = tuple(a)
     return type(a) is type(b) and a == b
+

@@ -27,9 +27,11 @@ import torch
 from deltaserve.core.admission import Skip
 from deltaserve.core.errors import InputError
 from deltaserve.core.requests import RequestOutput, SamplingParams, TokenCallback
+from deltaserve.core.slo import SLOConfig
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.model.peft_io import load_adapter, save_adapter
+from deltaserve.server.hyperparameters import job_defaults
 from deltaserve.server.protocols import (
     CheckpointEvent,
     FinishedEvent,
@@ -40,6 +42,7 @@ from deltaserve.server.protocols import (
     StepMetrics,
     TrainingJobSpec,
 )
+from deltaserve.train.config import CoServeConfig
 from tests.conftest import make_word_tokenizer
 from tests.tiny import TINY
 
@@ -183,12 +186,17 @@ def write_fake_adapter(path: Path, step: int, seed: int, base_model: str) -> Pat
     return save_adapter(path, adapter, base_model)
 
 
+# the library's own defaults, as a server with no co-serving flags would resolve ``auto``
+FAKE_DEFAULTS = job_defaults(CoServeConfig(slo=SLOConfig(2.0, 0.2)), max_sample_tokens=256)
+
+
 class FakeRunner:
     """Steps pack whole samples up to ``backward_batch_tokens``; checkpoints every
     ``checkpoint_every_steps`` steps into ``checkpoint_dir/checkpoint-N`` with a
     ``trainer_state.json`` that :meth:`start` resumes from."""
 
     def __init__(self, step_delay_s: float = 0.02):
+        self.defaults = FAKE_DEFAULTS
         self.step_delay_s = step_delay_s
         self.starts: list[TrainingJobSpec] = []
         self.tokens_committed = 0

@@ -8,9 +8,8 @@ import math
 import openai
 import pytest
 
-from deltaserve.server.hyperparameters import BASE_LEARNING_RATE, DEFAULT_BATCH_TOKENS
 from deltaserve.server.protocols import FailedEvent, StepEvent, StepMetrics
-from tests.server.fakes import BASE_MODEL, FakeRunner, fake_loss
+from tests.server.fakes import BASE_MODEL, FAKE_DEFAULTS, FakeRunner, fake_loss
 from tests.server.live import (
     TERMINAL,
     alpaca_records,
@@ -58,7 +57,7 @@ def test_job_succeeds_and_its_models_serve_by_name(live):
     mean = math.ceil(sum(s.num_tokens for s in spec.train_samples) / len(spec.train_samples))
     assert spec.hyperparameters.backward_batch_tokens == 4 * mean
     assert spec.hyperparameters.n_epochs == 2
-    assert spec.hyperparameters.learning_rate == BASE_LEARNING_RATE
+    assert spec.hyperparameters.learning_rate == FAKE_DEFAULTS.learning_rate
     assert len(spec.train_samples) == 60 and spec.resume_from is None
     steps = 2 * len(FakeRunner.batches(spec))
     assert job.trained_tokens == 2 * sum(s.num_tokens for s in spec.train_samples)
@@ -109,8 +108,8 @@ def test_validation_file_gives_valid_loss_and_auto_is_resolved(live):
     assert job.status == "succeeded"
     spec = live.runner.starts[-1]
     assert len(spec.valid_samples) == 5
-    assert spec.hyperparameters.learning_rate == pytest.approx(0.5 * BASE_LEARNING_RATE)
-    assert spec.hyperparameters.backward_batch_tokens == DEFAULT_BATCH_TOKENS
+    assert spec.hyperparameters.learning_rate == pytest.approx(0.5 * FAKE_DEFAULTS.learning_rate)
+    assert spec.hyperparameters.backward_batch_tokens == FAKE_DEFAULTS.backward_batch_tokens
     hp = job.hyperparameters
     assert hp.n_epochs == 1 and hp.learning_rate_multiplier == 0.5
     assert isinstance(hp.batch_size, int) and hp.batch_size >= 1

@@ -10,20 +10,15 @@ import pytest
 
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import InputError
+from deltaserve.core.slo import SLOConfig
 from deltaserve.server.db import Database
-from deltaserve.server.hyperparameters import (
-    BASE_LEARNING_RATE,
-    DEFAULT_BATCH_TOKENS,
-    DEFAULT_EPOCHS,
-    Hyperparameters,
-    resolve,
-)
+from deltaserve.server.hyperparameters import Hyperparameters, job_defaults, resolve
 from deltaserve.server.progress import ProgressLog
 from deltaserve.server.protocols import StepMetrics
 from deltaserve.server.records import JOB_PREFIX, JobRecord, JobStatus, new_id
 from deltaserve.server.store import Store
 from deltaserve.server.streaming import TextDelta
-from deltaserve.train.config import CoServeConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 from deltaserve.train.optim import OptimizerConfig
 
 
@@ -33,15 +28,21 @@ def samples(*lengths: int) -> list[TrainingSample]:
 
 def test_hyperparameters_map_onto_the_coserver():
     data = samples(10, 21, 30)  # mean 20.33 → 21 tokens per example
-    reported, training = resolve(Hyperparameters(3, 0.25, 4), data)
+    server = CoServeConfig(slo=SLOConfig(1.0, 0.1), num_epochs=2,
+                           optimizer=OptimizerConfig(lr=3e-4),
+                           backward=BackwardConfig(batch_tokens=256))
+    defaults = job_defaults(server, max_sample_tokens=128)
+    reported, training = resolve(Hyperparameters(3, 0.25, 4), data, defaults)
     assert (training.n_epochs, training.backward_batch_tokens) == (3, 4 * 21)
-    assert training.learning_rate == pytest.approx(0.25 * OptimizerConfig().lr)
+    assert training.learning_rate == pytest.approx(0.25 * 3e-4)
     assert reported == Hyperparameters(3, 0.25, 4)
-    reported, training = resolve(Hyperparameters(), data)
-    assert training.backward_batch_tokens == DEFAULT_BATCH_TOKENS == 256
-    assert training.n_epochs == DEFAULT_EPOCHS == CoServeConfig.__dataclass_fields__[
-        "num_epochs"].default
-    assert training.learning_rate == BASE_LEARNING_RATE
+    reported, training = resolve(Hyperparameters(), data, defaults)  # auto: the server's
+    assert training.backward_batch_tokens == 256
+    assert training.n_epochs == 2
+    assert training.learning_rate == 3e-4
+    with pytest.raises(InputError) as err:  # a service job must end
+        job_defaults(CoServeConfig(slo=SLOConfig(1.0, 0.1), num_epochs=None), 128)
+    assert err.value.field == "num_epochs"
     assert reported.batch_size == round(256 / 21) and reported.learning_rate_multiplier == 1.0
     for bad in ({"n_epochs": 0}, {"n_epochs": 51}, {"batch_size": 1.5}, {"n_epochs": True},
                 {"learning_rate_multiplier": math.inf}, {"batch_size": "big"}):

@@ -221,7 +221,10 @@ class SamplePool:
             self._state[sid] = _State.COMMITTED
         self._num_committed = len(committed)
         if not self.progress().finished:
-            self._fill([i for i in range(len(self._lengths)) if i not in committed])
+            # the epoch's own shuffle, less what is committed: the remaining samples come out
+            # in the order the uninterrupted epoch would have given them
+            order = self._epoch_order(range(len(self._lengths)))
+            self._fill([i for i in order if i not in committed], shuffle=False)
 
     # ---- internals --------------------------------------------------------------------------
     def _claimed_ids(self, ids: Iterable[int], action: str) -> list[int]:
@@ -241,10 +244,14 @@ class SamplePool:
             raise PoolStateError(f"{action}: sample {sid} is {self._state[sid].name.lower()}, "
                                  f"expected {state.name.lower()}")
 
-    def _fill(self, ids: Iterable[int], shuffle: bool = True) -> None:
+    def _epoch_order(self, ids: Iterable[int]) -> list[int]:
+        """A new epoch's seeded order (equal lengths come out in it)."""
         ids = list(ids)
-        if shuffle:  # a new epoch: equal-length samples in a seeded order
-            random.Random(self.seed * 1_000_003 + self._epoch).shuffle(ids)
+        random.Random(self.seed * 1_000_003 + self._epoch).shuffle(ids)
+        return ids
+
+    def _fill(self, ids: Iterable[int], shuffle: bool = True) -> None:
+        ids = self._epoch_order(ids) if shuffle else list(ids)
         for sid in ids:
             n = self._lengths[sid]
             self._state[sid] = _State.AVAILABLE

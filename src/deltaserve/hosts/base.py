@@ -20,11 +20,13 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from deltaserve.core.contract import CoServingHooks, StepRecord
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.request_stats import RequestCounters
 from deltaserve.core.requests import RequestOutput, SamplingParams, TokenCallback
 from deltaserve.core.shape import StepShape
 from deltaserve.core.tokenizer import Tokenizer
@@ -64,10 +66,13 @@ class ClientRequest:
 
 class BaseHost(ABC):
     config_cls: type[HostConfig] = HostConfig  # what the registry builds a host from
+    config: HostConfig  # every host is built from one (set by the subclass)
 
     def __init__(self, tokenizer: Tokenizer | None, max_model_len: int):
         self._tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # output tokens, finished requests and SLO misses (a server's /metrics reads them)
+        self.request_counters = RequestCounters()
         self.coserver: CoServingHooks | None = None
         self.latency_model: LatencyModel | None = None  # refit from inference-only steps
         self._co: CoServer | None = None
@@ -81,11 +86,18 @@ class BaseHost(ABC):
         self._live: dict[str, ClientRequest] = {}
         self._finished: dict[str, RequestOutput] = {}
         self._step_listeners: list[StepListener] = []
+        self._between: deque[tuple[Callable[[], None], Future[None]]] = deque()
+        self._looping = False
         self._ids = itertools.count()
 
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self._tokenizer
+
+    @property
+    def model_name(self) -> str:
+        """The base model as clients name it: the ``model`` the host was started with."""
+        return self.config.model
 
     # ---- clients ----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -174,16 +186,46 @@ class BaseHost(ABC):
     def run_loop(self, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
         """Step until ``stop`` is set. With nothing to run, lend the machine to the backward
         while co-serving has work, else wait for an arrival."""
-        while not stop.is_set():
-            if self.step():
-                continue
-            co = self.coserver
-            if co is not None and co.wants_step():
-                co.idle(idle_wait_s)
+        self._looping = True
+        try:
+            while not stop.is_set():
+                if self.step():
+                    continue
+                co = self.coserver
+                if co is not None and co.wants_step():
+                    co.idle(idle_wait_s)
+                else:
+                    self._wake.wait(idle_wait_s)
+        finally:
+            self._looping = False
+            self._run_between_steps()  # calls queued as the loop ended
+
+    def call_between_steps(self, fn: Callable[[], None], timeout_s: float = 60.0) -> None:
+        """Run ``fn`` on the stepping thread between two steps and wait for it (at once, on
+        the caller's thread, when no loop runs). Raises what ``fn`` raised; ``TimeoutError``
+        if the loop does not get to it in ``timeout_s``."""
+        if not self._looping:
+            fn()
+            return
+        done: Future[None] = Future()
+        with self._lock:
+            self._between.append((fn, done))
+        self._wake.set()
+        done.result(timeout_s)
+
+    def _run_between_steps(self) -> None:
+        with self._lock:
+            calls, self._between = list(self._between), deque()
+        for fn, done in calls:
+            try:
+                fn()
+            except Exception as e:  # the caller gets it; the loop goes on
+                done.set_exception(e)
             else:
-                self._wake.wait(idle_wait_s)
+                done.set_result(None)
 
     def _hand_over(self) -> None:
+        self._run_between_steps()
         with self._lock:
             incoming, self._incoming = list(self._incoming), deque()
             aborts, self._aborts = list(self._aborts), deque()
@@ -206,6 +248,7 @@ class BaseHost(ABC):
         now = time.monotonic()
         req.tokens.extend(new_tokens)
         req.times.extend([now] * len(new_tokens))
+        self.request_counters.tokens(len(new_tokens))
         if finish_reason is not None:
             req.finish_reason = finish_reason
             if text is None and self._tokenizer is not None:
@@ -213,6 +256,7 @@ class BaseHost(ABC):
             req.text = text
         out = req.output()
         if req.finished:
+            self.request_counters.finished(out)
             with self._lock:
                 del self._live[request_id]
                 if req.callback is None:
@@ -246,9 +290,12 @@ class BaseHost(ABC):
         return self._co
 
     def detach(self, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:
-        """Stop co-serving: train what was captured (``drain``), checkpoint, stop the backward."""
+        """Stop co-serving: train what was captured (``drain``), checkpoint, stop the backward.
+        Safe while a loop runs: the host lets go of the co-server between two steps, so no step
+        is using it when it closes (the loop goes on serving meanwhile)."""
         co, self._co = self._co, None
         if co is not None:
+            self.call_between_steps(lambda: self.set_coserver(None))
             detach(self, co, drain=drain, checkpoint=checkpoint)
         return co
 

@@ -10,11 +10,13 @@ from deltaserve.core.errors import require
 from deltaserve.train.checkpoint import CheckpointConfig
 
 DEFAULT_BIND = "127.0.0.1"  # never every interface unless asked (issue #10)
+DEFAULT_DATA_DIR = Path("deltaserve-data")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """``data_dir`` holds the SQLite state, uploaded files, job checkpoints and the adapter store.
+    ``bind``: the address to listen on (this machine only unless told otherwise).
 
     ``api_key`` None leaves the API open (only sensible on 127.0.0.1). ``metrics_public`` serves
     ``/metrics`` without the key (for a scraper on a trusted network). ``max_upload_bytes`` caps
@@ -24,7 +26,7 @@ class ServerConfig:
     shutdown waits for the running job's checkpoint before leaving it to be resumed at start-up.
     """
 
-    data_dir: Path
+    data_dir: Path = DEFAULT_DATA_DIR
     bind: str = DEFAULT_BIND
     port: int = 8000
     api_key: str | None = None

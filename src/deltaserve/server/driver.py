@@ -33,13 +33,14 @@ from deltaserve.server.protocols import (
     FailedEvent,
     FinishedEvent,
     InferenceBackend,
+    NoticeEvent,
     PausedEvent,
     RunnerEvent,
     StepEvent,
     TrainingJobSpec,
     TrainingRunner,
 )
-from deltaserve.server.records import JobError, JobRecord, JobStatus
+from deltaserve.server.records import CheckpointRecord, JobError, JobRecord, JobStatus
 from deltaserve.server.store import Store
 
 log = logging.getLogger("deltaserve.server")
@@ -178,8 +179,10 @@ class JobDriver:
         except JobDataError as e:
             self._fail(job, e.error)
             return
-        except InputError as e:
-            self._fail(job, JobError("invalid_training_file", str(e), "training_file"))
+        except InputError as e:  # the data, or a checkpoint to resume from, cannot train
+            code, param = (("checkpoint_unusable", None) if e.field.startswith("checkpoint")
+                           else ("invalid_training_file", "training_file"))
+            self._fail(job, JobError(code, str(e), param))
             return
         except Exception as e:
             log.exception("job %s: could not start", job.id)
@@ -187,14 +190,20 @@ class JobDriver:
             return
         self._active = _Active(job, [])
 
+    def _resume_point(self, job: JobRecord) -> CheckpointRecord | None:
+        """The newest recorded checkpoint still on disk (the runner prunes old ones)."""
+        for ckpt in self.store.list_checkpoints(job.id, None, 1000).data:
+            if ckpt.runner_path.is_dir():
+                return ckpt
+            log.warning("job %s: checkpoint %s is gone", job.id, ckpt.runner_path)
+        return None
+
     def _spec(self, job: JobRecord, after_crash: bool) -> TrainingJobSpec:
-        data = load_job_data(self.data_dir, self.backend, job)
+        data = load_job_data(self.data_dir, self.backend, job,
+                             self.runner.defaults.max_sample_tokens)
         if job.training is None:
             raise JobDataError(JobError("internal_error", "the job was never validated"))
-        ckpt = self.store.newest_checkpoint(job.id)
-        if ckpt is not None and not ckpt.runner_path.is_dir():
-            log.warning("job %s: checkpoint %s is gone; starting over", job.id, ckpt.runner_path)
-            ckpt = None
+        ckpt = self._resume_point(job)
         step = ckpt.step if ckpt else 0
         dropped = self.store.drop_metrics_after(job.id, step)
         self.store.set_trained_tokens(job.id, ckpt.metrics.trained_tokens if ckpt else 0)
@@ -212,7 +221,8 @@ class JobDriver:
             valid_samples=data.valid, hyperparameters=job.training, seed=job.seed,
             checkpoint_dir=self.data_dir.checkpoints(job.id),
             checkpoint_every_steps=self.config.checkpoint_every_steps,
-            resume_from=ckpt.runner_path if ckpt else None)
+            resume_from=ckpt.runner_path if ckpt else None,
+            resume_metrics=ckpt.metrics if ckpt else None)
 
     # ---- the runner's events ----------------------------------------------------------------
     def _handle(self, events: list[RunnerEvent]) -> None:
@@ -233,6 +243,8 @@ class JobDriver:
             elif isinstance(ev, FailedEvent):
                 self._fail(active.job, JobError(ev.code, ev.message))
                 self._release(active)
+            elif isinstance(ev, NoticeEvent):
+                self.sink.message(job_id, ev.message, level=ev.level)
 
     def _checkpoint(self, job: JobRecord, ev: CheckpointEvent) -> None:
         name = fine_tuned_model_name(job.model, job.suffix, job.id)

@@ -3,17 +3,19 @@
 =============================  ==========================================================
 OpenAI                          DeltaServe
 =============================  ==========================================================
-``n_epochs``                    epochs over the training file; ``auto``: the co-server's
-                                default (``CoServeConfig.num_epochs``)
-``learning_rate_multiplier``    × the project's LoRA learning rate (``OptimizerConfig.lr``);
+``n_epochs``                    epochs over the training file; ``auto``: the server's
+                                co-serving config (``CoServeConfig.num_epochs``)
+``learning_rate_multiplier``    × the server's LoRA learning rate (``--optimizer-lr``);
                                 ``auto``: 1
 ``batch_size`` (examples)       the backward batch is measured in tokens: ``batch_size`` ×
                                 the training file's mean sample length (tokens, rounded up);
-                                ``auto``: the co-server's default backward batch
-                                (``BackwardConfig.batch_tokens``), reported back as
-                                the number of mean-length samples it holds
+                                ``auto``: the server's backward batch
+                                (``--backward-batch-tokens``), reported back as the number
+                                of mean-length samples it holds
 =============================  ==========================================================
 
+The ``auto`` values are the runner's :class:`JobDefaults` (:func:`job_defaults` of the
+server's :class:`CoServeConfig`).
 Like OpenAI, a job reports the resolved numbers in place of ``auto`` once its files are
 validated.
 """
@@ -28,22 +30,21 @@ from typing import Literal
 
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
-from deltaserve.server.protocols import TrainingHyperparameters
-from deltaserve.train.config import BackwardConfig, CoServeConfig
-from deltaserve.train.optim import OptimizerConfig
+from deltaserve.server.protocols import JobDefaults, TrainingHyperparameters
+from deltaserve.train.config import CoServeConfig
 
 Auto = Literal["auto"]
 AUTO: Auto = "auto"
 MAX_EPOCHS = 50  # OpenAI's bound
 
 
-def _default(cls: type, name: str):
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
-
-
-DEFAULT_EPOCHS: int = _default(CoServeConfig, "num_epochs")
-DEFAULT_BATCH_TOKENS: int = _default(BackwardConfig, "batch_tokens")
-BASE_LEARNING_RATE: float = _default(OptimizerConfig, "lr")
+def job_defaults(config: CoServeConfig, max_sample_tokens: int) -> JobDefaults:
+    """A runner's ``auto`` values from its co-serving config."""
+    require(config.num_epochs is not None, "num_epochs", config.num_epochs,
+            "a fine-tuning job must end: give a number of epochs")
+    assert config.num_epochs is not None
+    return JobDefaults(config.num_epochs, config.optimizer.lr, config.backward.batch_tokens,
+                       max_sample_tokens)
 
 
 @dataclass(frozen=True)
@@ -77,18 +78,18 @@ def mean_sample_tokens(samples: Sequence[TrainingSample]) -> int:
     return math.ceil(sum(s.num_tokens for s in samples) / len(samples))
 
 
-def resolve(requested: Hyperparameters, samples: Sequence[TrainingSample]
-            ) -> tuple[Hyperparameters, TrainingHyperparameters]:
+def resolve(requested: Hyperparameters, samples: Sequence[TrainingSample],
+            defaults: JobDefaults) -> tuple[Hyperparameters, TrainingHyperparameters]:
     """The numbers reported back to the client, and what the runner trains with."""
     mean_tokens = mean_sample_tokens(samples)
-    epochs = DEFAULT_EPOCHS if requested.n_epochs == AUTO else int(requested.n_epochs)
+    epochs = defaults.n_epochs if requested.n_epochs == AUTO else int(requested.n_epochs)
     mult = 1.0 if requested.learning_rate_multiplier == AUTO else float(
         requested.learning_rate_multiplier)
     if requested.batch_size == AUTO:
-        batch_tokens = DEFAULT_BATCH_TOKENS
+        batch_tokens = defaults.backward_batch_tokens
         batch_size = max(1, round(batch_tokens / mean_tokens))
     else:
         batch_size = int(requested.batch_size)
         batch_tokens = batch_size * mean_tokens
     reported = Hyperparameters(epochs, mult, batch_size)
-    return reported, TrainingHyperparameters(epochs, mult * BASE_LEARNING_RATE, batch_tokens)
+    return reported, TrainingHyperparameters(epochs, mult * defaults.learning_rate, batch_tokens)

@@ -29,14 +29,14 @@ class JobDataError(Exception):
         self.error = error
 
 
-def _load(data_dir: DataDir, backend: InferenceBackend, file_id: str, param: str
-          ) -> tuple[list[TrainingSample], DatasetReport]:
+def _load(data_dir: DataDir, backend: InferenceBackend, file_id: str, param: str,
+          max_tokens: int) -> tuple[list[TrainingSample], DatasetReport]:
     path = data_dir.file(file_id)
     if not path.is_file():
         raise JobDataError(JobError(f"invalid_{param}", f"{param} {file_id} no longer exists",
                                     param))
-    # A sample can be no longer than the host's context; longer ones are dropped and counted.
-    cfg = DataConfig(path=str(path), max_tokens=backend.max_model_len)
+    # A sample can be no longer than the runner takes; longer ones are dropped and counted.
+    cfg = DataConfig(path=str(path), max_tokens=max_tokens)
     try:
         return load_dataset(cfg, backend.tokenizer)
     except InputError as e:
@@ -48,13 +48,17 @@ def _load(data_dir: DataDir, backend: InferenceBackend, file_id: str, param: str
                                     param)) from None
 
 
-def load_job_data(data_dir: DataDir, backend: InferenceBackend, job: JobRecord) -> JobData:
-    """Raises :class:`JobDataError` with OpenAI's error fields for a file that cannot train."""
-    train, train_report = _load(data_dir, backend, job.training_file, "training_file")
+def load_job_data(data_dir: DataDir, backend: InferenceBackend, job: JobRecord,
+                  max_tokens: int) -> JobData:
+    """Samples of at most ``max_tokens`` tokens. Raises :class:`JobDataError` with OpenAI's
+    error fields for a file that cannot train."""
+    train, train_report = _load(data_dir, backend, job.training_file, "training_file",
+                                max_tokens)
     valid: list[TrainingSample] = []
     valid_report = None
     if job.validation_file is not None:
-        valid, valid_report = _load(data_dir, backend, job.validation_file, "validation_file")
+        valid, valid_report = _load(data_dir, backend, job.validation_file, "validation_file",
+                                    max_tokens)
     return JobData(tuple(train), tuple(valid), train_report, valid_report)
 
 

@@ -88,7 +88,8 @@ class JobService:
     def _validate(self, job: JobRecord) -> None:
         """Parse and tokenize the files, resolve the hyperparameters, then queue the job."""
         try:
-            data = load_job_data(self.data_dir, self.backend, job)
+            data = load_job_data(self.data_dir, self.backend, job,
+                                 self.driver.runner.defaults.max_sample_tokens)
         except JobDataError as e:
             self._fail(job, e.error)
             return
@@ -96,9 +97,16 @@ class JobService:
             log.exception("job %s: validation failed", job.id)
             self._fail(job, JobError("internal_error", f"validation failed: {e}"))
             return
-        reported, training = resolve(job.hyperparameters, data.train)
+        if not data.train:
+            self._fail(job, JobError("invalid_training_file", describe(
+                data.train_report, job.training_file) + ": no sample left to train on",
+                "training_file"))
+            return
+        reported, training = resolve(job.hyperparameters, data.train, self.driver.runner.defaults)
         self.store.set_resolved(job.id, reported, training)
         self.sink.message(job.id, describe(data.train_report, job.training_file))
+        if data.valid_report is not None and job.validation_file is not None:
+            self.sink.message(job.id, describe(data.valid_report, job.validation_file))
         if self.store.set_status(job.id, JobStatus.QUEUED, expect=(JobStatus.VALIDATING_FILES,)):
             self.sink.message(job.id, "Files validated, moving job to queued state", state=True)
             self.driver.wake()

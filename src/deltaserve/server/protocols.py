@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from deltaserve.core.admission import Skip
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.requests import SamplingParams, TokenCallback
+from deltaserve.core.tokenizer import Tokenizer
 
 
 @runtime_checkable
@@ -27,7 +28,7 @@ class InferenceBackend(Protocol):
     """A running host; every method thread-safe."""
 
     model_name: str  # the base model's name as /v1/models lists it
-    tokenizer: Any  # a Hugging Face tokenizer (apply_chat_template, decode)
+    tokenizer: Tokenizer | None  # the service needs one (checked before it starts)
     max_model_len: int
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams, *,
@@ -63,10 +64,36 @@ class TrainingHyperparameters:
 
 
 @dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step as OpenAI's ``metrics`` event reports it. ``step`` is 1-based and
+    counts across epochs; ``trained_tokens`` are the job's tokens committed so far."""
+
+    step: int
+    train_loss: float
+    train_mean_token_accuracy: float
+    trained_tokens: int
+    valid_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class JobDefaults:
+    """What ``auto`` hyperparameters resolve to on a runner, and the longest training sample it
+    takes (longer ones are dropped and counted when the files are read)."""
+
+    n_epochs: int
+    learning_rate: float
+    backward_batch_tokens: int
+    max_sample_tokens: int
+
+
+@dataclass(frozen=True)
 class TrainingJobSpec:
     """Everything a runner needs to train one job. ``checkpoint_dir`` is the job's own directory
     under ``--data-dir``; ``resume_from`` a checkpoint directory the runner wrote earlier
-    (reported by a :class:`CheckpointEvent`), or None for a fresh start."""
+    (reported by a :class:`CheckpointEvent`, with ``resume_metrics``), or None for a fresh
+    start. ``resume_from`` is authoritative: the job resumes from exactly it, whatever newer
+    checkpoint the runner may have written and not reported before a crash (those steps train
+    again, so the job's events, checkpoints and adapter agree)."""
 
     job_id: str
     base_model: str
@@ -77,18 +104,7 @@ class TrainingJobSpec:
     checkpoint_dir: Path
     checkpoint_every_steps: int
     resume_from: Path | None = None
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    """One optimizer step as OpenAI's ``metrics`` event reports it. ``step`` is 1-based and
-    counts across epochs; ``trained_tokens`` are the job's tokens committed so far."""
-
-    step: int
-    train_loss: float
-    train_mean_token_accuracy: float
-    trained_tokens: int
-    valid_loss: float | None = None
+    resume_metrics: StepMetrics | None = None
 
 
 @dataclass(frozen=True)
@@ -118,9 +134,19 @@ class FinishedEvent:
 
 @dataclass(frozen=True)
 class PausedEvent:
-    """A pause completed: a :class:`CheckpointEvent` for ``step`` came first; nothing trains."""
+    """A pause completed: a :class:`CheckpointEvent` for ``step`` came first (unless ``step``
+    is 0: nothing was trained, the job starts afresh); nothing trains."""
 
     step: int
+
+
+@dataclass(frozen=True)
+class NoticeEvent:
+    """Something a job's owner should read that changes no state: a training step lost and
+    retried, a failed write being retried, a validation that did not run."""
+
+    message: str
+    level: Literal["info", "warn", "error"] = "warn"
 
 
 @dataclass(frozen=True)
@@ -131,7 +157,8 @@ class FailedEvent:
     message: str
 
 
-RunnerEvent = StepEvent | CheckpointEvent | FinishedEvent | PausedEvent | FailedEvent
+RunnerEvent = (StepEvent | CheckpointEvent | FinishedEvent | PausedEvent | FailedEvent
+               | NoticeEvent)
 
 
 @runtime_checkable
@@ -143,9 +170,12 @@ class TrainingRunner(Protocol):
     exactly one :class:`FinishedEvent`, :class:`PausedEvent` or :class:`FailedEvent`, or with
     :meth:`cancel` returning."""
 
+    defaults: JobDefaults
+
     def start(self, spec: TrainingJobSpec) -> None:
-        """Begin training ``spec`` without blocking. Raises ``InputError`` for a spec it cannot
-        train (a sample longer than its buffer, ...) and ``RuntimeError`` if a job is active."""
+        """Begin training ``spec`` (returns once it trains; setting up may take seconds).
+        Raises ``InputError`` for a spec it cannot train (a sample longer than its buffer, a
+        damaged checkpoint, ...) and ``RuntimeError`` if a job is active."""
         ...
 
     def poll(self) -> list[RunnerEvent]:

@@ -67,11 +67,12 @@ def attach(host: TrainingHost, *, dataset: Dataset, slo: SLOConfig | None = None
            config: CoServeConfig | None = None, latency_model: LatencySource = None,
            calibration: CalibrationConfig | None = None, progress: bool = True,
            scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
-           **overrides: object) -> CoServer:
+           validation: Dataset | None = None, **overrides: object) -> CoServer:
     """Start co-serving on ``host`` (idle while it calibrates). ``config``: a full
     :class:`CoServeConfig`, else ``slo`` plus any of its fields as keyword overrides.
     ``latency_model``: a fitted model or its JSON; by default the host is calibrated now.
-    ``scheduler_cls``: the admission policy (Algorithm 1; baselines substitute their own)."""
+    ``scheduler_cls``: the admission policy (Algorithm 1; baselines substitute their own).
+    ``validation``: held-out samples whose loss is reported (``ValidationLoss`` events)."""
     config = resolve_config(config, slo, overrides)
     dropout = host.training_dropout(config.lora)
     if dropout != config.lora.dropout:
@@ -81,6 +82,7 @@ def attach(host: TrainingHost, *, dataset: Dataset, slo: SLOConfig | None = None
                        config.lora.dropout, dropout, dropout)
         config = replace(config, lora=replace(config.lora, dropout=dropout))
     samples = resolve_samples(dataset, host, config.checkpoint.root)
+    held_out = resolve_samples(validation, host) if validation is not None else []
     if isinstance(latency_model, (str, os.PathLike)):
         latency_model = LatencyModel.load(latency_model)
     if latency_model is None:
@@ -89,7 +91,7 @@ def attach(host: TrainingHost, *, dataset: Dataset, slo: SLOConfig | None = None
     model = LlamaModel(host.model_config, host.backward_weights())
     co = CoServer(config, host.limits, model, samples, base_model=host.model_path,
                   latency_model=latency_model, publish=host.publish_adapter,
-                  scheduler_cls=scheduler_cls)
+                  scheduler_cls=scheduler_cls, validation=held_out)
     host.install_training_adapter(co.adapter)
     host.set_coserver(co)
     return co

@@ -1,9 +1,10 @@
 """The backward driver: the backward process, when it may compute (the grant policy), and its
 results as one kind of outcome.
 
-A job ends in exactly one :data:`BackwardOutcome`: ``BackwardDone`` (the adapter holds its step)
-or :class:`JobLost` (the step raised, or the process died and was restarted; the adapter is at
-the last committed step). The co-server handles both in one place, whichever call observed them.
+A job ends in exactly one :data:`BackwardOutcome`: ``BackwardDone`` (the adapter holds its step),
+``EvalDone`` (a validation loss) or :class:`JobLost` (the job raised, or the process died and was
+restarted; the adapter is at the last committed step). The co-server handles each in one
+place, whichever call observed it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from dataclasses import dataclass, replace
 from deltaserve.core.shape import StepShape
 from deltaserve.train.backward_process import BackwardEvent, BackwardProcess, WorkerLost
 from deltaserve.train.config import BackwardConfig, GrantPolicy
-from deltaserve.train.messages import BackwardDone, BackwardFailed, BackwardJob, LayerDone
+from deltaserve.train.messages import (
+    BackwardDone,
+    BackwardFailed,
+    BackwardJob,
+    EvalDone,
+    EvalJob,
+    LayerDone,
+)
 from deltaserve.train.worker import SharedState, WorkerSpec
 
 # Until the first layer is timed: a conservative guess at the backward's time per layer.
@@ -29,13 +37,13 @@ class JobLost:
     ``rolled_back``: the process died while publishing and the shared state was restored to the
     last committed step."""
 
-    job: BackwardJob
+    job: BackwardJob | EvalJob
     reason: str
     process_died: bool
     rolled_back: bool = False
 
 
-BackwardOutcome = BackwardDone | JobLost
+BackwardOutcome = BackwardDone | EvalDone | JobLost
 
 
 def resolve_policy(config: BackwardConfig, on_gpu: bool, cpu_threads: int) -> BackwardConfig:
@@ -56,7 +64,7 @@ class BackwardDriver:
         self.config = config
         self.process = BackwardProcess(spec, shared)
         self.layer_s = _INITIAL_LAYER_S
-        self._job: BackwardJob | None = None
+        self._job: BackwardJob | EvalJob | None = None
         self.process.wait_ready()
 
     @property
@@ -95,7 +103,7 @@ class BackwardDriver:
         return time.monotonic() - t0
 
     # ---- jobs -------------------------------------------------------------------------------
-    def submit(self, job: BackwardJob) -> None:
+    def submit(self, job: BackwardJob | EvalJob) -> None:
         self._job = job
         self.process.submit(job)
 
@@ -113,7 +121,7 @@ class BackwardDriver:
         for ev in events:
             if isinstance(ev, LayerDone):
                 self.layer_s += _LAYER_EMA * (ev.compute_s - self.layer_s)
-            elif isinstance(ev, BackwardDone):
+            elif isinstance(ev, BackwardDone | EvalDone):
                 out.append(ev)
             elif isinstance(ev, BackwardFailed):
                 assert self._job is not None and self._job.step == ev.step

@@ -18,6 +18,8 @@ from deltaserve.train.messages import (
     BackwardDone,
     BackwardFailed,
     BackwardJob,
+    EvalDone,
+    EvalJob,
     LayerDone,
     Stop,
     WorkerReady,
@@ -31,12 +33,12 @@ class WorkerLost:
     """The process died with ``job`` in flight. ``rolled_back``: it had begun publishing the
     job's step, and the shared state was restored to the last committed step."""
 
-    job: BackwardJob
+    job: BackwardJob | EvalJob
     exitcode: int | None
     rolled_back: bool = False
 
 
-BackwardEvent = BackwardDone | BackwardFailed | WorkerLost | LayerDone
+BackwardEvent = BackwardDone | EvalDone | BackwardFailed | WorkerLost | LayerDone
 
 # The usual cause when DeltaServe runs from a script: the process is spawned, so it imports the
 # script again, which starts a second engine and backward inside the child, and that fails.
@@ -52,7 +54,7 @@ class BackwardProcess:
         self.shared = shared
         self.grant = Grant(self._ctx)
         self.parked = self._ctx.Value("b", 1, lock=False)
-        self.in_flight: BackwardJob | None = None
+        self.in_flight: BackwardJob | EvalJob | None = None
         self.restarts = 0
         self.ready = False  # the current process has reported WorkerReady
         self._start()
@@ -77,7 +79,7 @@ class BackwardProcess:
     def busy(self) -> bool:
         return self.in_flight is not None
 
-    def submit(self, job: BackwardJob) -> None:
+    def submit(self, job: BackwardJob | EvalJob) -> None:
         if self.in_flight is not None:
             raise RuntimeError(f"backward step {self.in_flight.step} is still in flight")
         self.in_flight = job
@@ -116,8 +118,11 @@ class BackwardProcess:
         publishing (``publish.roll_back``)."""
         assert self.in_flight is not None
         sh = self.shared
-        rolled_back = roll_back(self.in_flight.step, sh.adapter_flat, sh.optimizer, sh.guard)
-        lost = WorkerLost(self.in_flight, self.process.exitcode, rolled_back)
+        job = self.in_flight
+        # validation never publishes: there is nothing of it to undo
+        rolled_back = isinstance(job, BackwardJob) and roll_back(
+            job.step, sh.adapter_flat, sh.optimizer, sh.guard)
+        lost = WorkerLost(job, self.process.exitcode, rolled_back)
         self.in_flight = None
         return lost
 

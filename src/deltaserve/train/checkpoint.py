@@ -66,13 +66,16 @@ logger = logging.getLogger("deltaserve.checkpoint")
 class CheckpointConfig:
     """``root`` None disables checkpoints. ``every_steps``: optimizer steps between two.
     ``retry_s``: after a failed write (a full disk), seconds before the next attempt; training
-    waits meanwhile."""
+    waits meanwhile. ``resume_from``: resume from exactly this checkpoint directory, whatever
+    else ``root`` holds (a caller that recorded which checkpoints it saw; newer ones are written
+    over as training reaches their steps again). A damaged one is an :class:`InputError`."""
 
     root: str | None = field(default=None, metadata={"flag": "dir"})
     every_steps: int = 50
     keep: int = 2
     resume: bool = True
     retry_s: float = 5.0
+    resume_from: str | None = None
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 1, "checkpoint_every", self.every_steps, "must be >= 1")

@@ -15,7 +15,12 @@ from pathlib import Path
 
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights
-from deltaserve.train.checkpoint import CheckpointConfig, CheckpointStore, Resumed
+from deltaserve.train.checkpoint import (
+    CheckpointConfig,
+    CheckpointStore,
+    Resumed,
+    read_checkpoint,
+)
 from deltaserve.train.events import (
     CheckpointSaved,
     TrainingEvent,
@@ -78,10 +83,14 @@ class Checkpointer:
         return self._flush_log() if self._unwritten else None
 
     def resume(self, model: ModelConfig) -> Resumed | None:
-        """The newest usable checkpoint (``latest``, or the newest complete one when ``latest``
-        is missing or broken, said in ``reason``); None for a fresh start."""
+        """``resume_from`` when given; else the newest usable checkpoint (``latest``, or the
+        newest complete one when ``latest`` is missing or broken, said in ``reason``); None for
+        a fresh start."""
         if self.store is None or not self.config.resume:
             return None
+        if self.config.resume_from is not None:
+            ck = read_checkpoint(self.config.resume_from, model)
+            return Resumed(ck, f"resume_from={self.config.resume_from}", ())
         return self.store.resume(model)
 
     def _flush_log(self) -> TrainingEvent | None:

@@ -67,7 +67,8 @@ class BackwardConfig:
 class CoServeConfig:
     """Everything a co-server needs besides the host and the data. ``interrupt``: cut a
     training-only step short at a layer boundary when a request arrives. ``num_epochs`` None:
-    train until stopped."""
+    train until stopped. ``valid_every_steps``: with validation samples, their loss is computed
+    after every this many optimizer steps and after the last (default: at every checkpoint)."""
 
     slo: SLOConfig
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -79,8 +80,15 @@ class CoServeConfig:
     interrupt: bool = True
     num_epochs: int | None = 1
     seed: int = 0
+    valid_every_steps: int | None = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.slo, SLOConfig), "slo", self.slo, "must be an SLOConfig")
         require(self.num_epochs is None or self.num_epochs >= 1, "num_epochs", self.num_epochs,
                 "must be >= 1")
+        require(self.valid_every_steps is None or self.valid_every_steps >= 1,
+                "valid_every_steps", self.valid_every_steps, "must be >= 1")
+
+    @property
+    def validation_interval(self) -> int:
+        return self.valid_every_steps or self.checkpoint.every_steps

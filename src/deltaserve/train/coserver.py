@@ -39,7 +39,8 @@ class CoServer:
     def __init__(self, config: CoServeConfig, limits: HostLimits, model: LlamaModel,
                  samples: Sequence[TrainingSample], *, base_model: str,
                  latency_model: LatencyModel | None = None, publish: Publish | None = None,
-                 scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler):
+                 scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
+                 validation: Sequence[TrainingSample] = ()):
         b = resolve_policy(config.backward, model.weights.device.type == "cuda",
                            torch.get_num_threads())
         self.config = config = replace(config, backward=b)
@@ -50,9 +51,12 @@ class CoServer:
         self.latency = latency_model or LatencyModel(config.latency)
         self.scheduler = scheduler_cls(config.admission, config.slo, limits, self.latency,
                                        self.book.pool, self.book.ledger)
-        self.trainer = Trainer(config, model, self.book, base_model=base_model, publish=publish)
+        self.trainer = Trainer(config, model, self.book, base_model=base_model, publish=publish,
+                               validation=validation)
         self._abort = threading.Event()
+        # production counters (the service's /metrics reads them through stats())
         self._skips: Counter[str] = Counter()
+        self._timing: Counter[str] = Counter()
 
     @property
     def adapter(self) -> AdapterWeights:
@@ -72,6 +76,8 @@ class CoServer:
                                    batch_room_tokens=room)
         if plan.skip is not None:
             self._skips[plan.skip.value] += 1
+        if plan.sample_ids:
+            self._timing["ft_tokens_admitted"] += plan.num_ft_tokens
         rows = self.book.rows(plan, self.config.lora.dropout)
         t.backward.before_step(plan.shape)
         abortable = self.config.interrupt and bool(plan.sample_ids) \
@@ -87,8 +93,12 @@ class CoServer:
             t.counts["aborted_steps"] += 1
         else:
             if not report.shape.is_empty:
-                self.latency.observe(report.shape, report.seconds)
+                predicted = self.latency.observe(report.shape, report.seconds)
                 self.scheduler.observe(report.shape, report.seconds)
+                if predicted is not None:
+                    self._timing["steps_timed"] += 1
+                    self._timing["predicted_s"] += predicted
+                    self._timing["measured_s"] += report.seconds
             if plan.sample_ids:
                 self.book.captured(plan)
                 t.counts["steps_with_ft"] += 1
@@ -141,7 +151,12 @@ class CoServer:
 
     def stats(self) -> CoServeStats:
         p, c, t = self.book.progress(), self.trainer.counts, self.trainer
+        # dict() of a Counter is one C-level copy: safe against the stepping thread's updates
+        timing = dict(self._timing)
         return CoServeStats(p.tokens_committed_total, p.samples_committed_total,
                             c["ft_tokens_forwarded"], t.optimizer_steps, c["steps_with_ft"],
                             c["aborted_steps"], c["backward_failures"], c["worker_restarts"],
-                            c["io_errors"], p.epoch, t.last_loss, dict(self._skips))
+                            c["io_errors"], p.epoch, t.last_loss, dict(self._skips),
+                            timing.get("ft_tokens_admitted", 0), timing.get("steps_timed", 0),
+                            timing.get("predicted_s", 0.0), timing.get("measured_s", 0.0),
+                            t.backward_busy_s)

@@ -24,6 +24,21 @@ class OptimizerStep:
     lr: float
     wall_s: float
     paused_s: float
+    validating: bool = False  # a ValidationLoss of this step follows
+
+
+@dataclass(frozen=True)
+class ValidationLoss:
+    """The held-out loss of the adapter as optimizer step ``step`` left it (that step's
+    :class:`OptimizerStep` said ``validating``). ``loss`` None: the validation did not run to
+    the end (``error`` says why); every validating step gets exactly one of these."""
+
+    at_s: float
+    step: int
+    loss: float | None
+    num_tokens: int
+    mean_token_accuracy: float | None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +67,7 @@ class TrainingIOError:
     error: str
 
 
-TrainingEvent = OptimizerStep | StepLost | CheckpointSaved | TrainingIOError
+TrainingEvent = OptimizerStep | ValidationLoss | StepLost | CheckpointSaved | TrainingIOError
 Listener = Callable[[TrainingEvent], None]
 
 
@@ -63,7 +78,11 @@ def log_record(event: TrainingEvent) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class CoServeStats:
-    """A co-server's counters (tokens and samples over every epoch)."""
+    """A co-server's counters (tokens and samples over every epoch; those committed include a
+    resumed checkpoint's). ``ft_tokens_admitted``: tokens admission put into steps (an aborted
+    step's too); ``steps_timed``: steps the latency model had predicted before they ran, with the
+    sums of those predictions and of the measured times; ``backward_busy_s``: time the backward
+    process computed (grant waits excluded)."""
 
     ft_tokens_committed: int
     ft_samples_committed: int
@@ -77,3 +96,8 @@ class CoServeStats:
     epoch: int
     last_loss: float | None
     skips: dict[str, int]
+    ft_tokens_admitted: int = 0
+    steps_timed: int = 0
+    step_time_predicted_s: float = 0.0
+    step_time_measured_s: float = 0.0
+    backward_busy_s: float = 0.0

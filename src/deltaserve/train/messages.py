@@ -53,6 +53,34 @@ class BackwardDone:
 
 
 @dataclass(frozen=True)
+class EvalJob:
+    """The validation loss of the adapter as it stands after ``step`` committed optimizer steps:
+    a forward pass (no dropout, no gradient) over the held-out samples, layer by layer under the
+    grant like any backward work, so it never takes the machine from inference."""
+
+    step: int
+    input_ids: tuple[tuple[int, ...], ...]
+    labels: tuple[tuple[int, ...], ...]  # Hugging Face convention, unshifted
+
+
+@dataclass(frozen=True)
+class EvalDone:
+    """``loss``: mean cross-entropy over the held-out samples' response tokens (every token
+    weighs the same, whichever sample it is in)."""
+
+    step: int
+    loss: float
+    num_loss_tokens: int
+    num_correct: int
+    wall_s: float
+    paused_s: float
+
+    @property
+    def mean_token_accuracy(self) -> float:
+        return self.num_correct / self.num_loss_tokens if self.num_loss_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class LayerDone:
     """The backward of step ``step`` finished decoder layer ``layer`` after ``compute_s``
     seconds of computing (grant waits excluded): the parent's estimate of how long the backward

@@ -4,7 +4,10 @@ It owns the trainable adapter and its optimizer state (both shared with the back
 the activation buffer, the backward driver and the checkpointer, and turns every outcome of the
 backward, whichever call observes it, into one path (:meth:`Trainer._handle`): a committed step
 is published to the host, logged and announced to listeners; a lost one returns its samples to
-the pool.
+the pool. With validation samples, the adapter's held-out loss is computed in the backward
+process after every ``validation_interval`` steps and after the last, before the next step is
+submitted (a :class:`ValidationLoss` follows each :class:`OptimizerStep` that says
+``validating``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
+from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
@@ -29,8 +33,9 @@ from deltaserve.train.events import (
     StepLost,
     TrainingEvent,
     TrainingIOError,
+    ValidationLoss,
 )
-from deltaserve.train.messages import BackwardDone, BackwardJob
+from deltaserve.train.messages import BackwardDone, BackwardJob, EvalDone, EvalJob
 from deltaserve.train.optim import OptimizerState
 from deltaserve.train.publish import PublishGuard
 from deltaserve.train.samples import SampleBook
@@ -42,7 +47,8 @@ logger = logging.getLogger("deltaserve")
 
 class Trainer:
     def __init__(self, config: CoServeConfig, model: LlamaModel, book: SampleBook, *,
-                 base_model: str, publish: Publish | None = None):
+                 base_model: str, publish: Publish | None = None,
+                 validation: Sequence[TrainingSample] = ()):
         device = model.weights.device
         self.config, self.book, self._publish = config, book, publish
         self.adapter = AdapterWeights(model.config, config.lora, device=device)
@@ -64,13 +70,17 @@ class Trainer:
                                        SharedState(model.config, model.weights, self.adapter.flat,
                                                    self.optimizer_state, self.buffer, guard))
         self.counts: Counter[str] = Counter()
+        self.backward_busy_s = 0.0
         self.last_loss: float | None = None
         self._listeners: list[Listener] = []
+        self._validation = (tuple(s.input_ids for s in validation),
+                            tuple(s.labels for s in validation))
+        self._validation_due: int | None = None  # the step whose validation loss is owed
 
     @property
     def has_pending(self) -> bool:
-        """Samples captured or in the backward but not yet committed."""
-        return self.book.has_ready or self.backward.busy
+        """Samples captured or in the backward but not yet committed, or a validation owed."""
+        return self.book.has_ready or self.backward.busy or self._validation_due is not None
 
     # ---- outcomes of the backward -----------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> None:
@@ -83,7 +93,12 @@ class Trainer:
     def maybe_launch(self, force: bool = False) -> None:
         """Submit the ready samples as one optimizer step once they fill a backward batch (or
         nothing more can be admitted, or ``force``), unless a failed write holds training."""
-        if self.backward.busy or not self.book.has_ready or self.checkpointer.blocked:
+        if self.backward.busy:
+            return
+        if self._validation_due is not None:  # before the next step changes the adapter
+            self.backward.submit(EvalJob(self._validation_due, *self._validation))
+            return
+        if not self.book.has_ready or self.checkpointer.blocked:
             return
         batch = self.config.backward.batch_tokens
         if force or self.book.ready_tokens >= batch or not self.book.can_admit():
@@ -91,7 +106,19 @@ class Trainer:
 
     def _handle(self, outcome: BackwardOutcome) -> None:
         if isinstance(outcome, BackwardDone):
+            self.backward_busy_s += outcome.wall_s - outcome.paused_s
             self._commit(outcome)
+            return
+        if isinstance(outcome, EvalDone):
+            self.backward_busy_s += outcome.wall_s - outcome.paused_s
+            self._validated(ValidationLoss(time.monotonic(), outcome.step, outcome.loss,
+                                           outcome.num_loss_tokens,
+                                           outcome.mean_token_accuracy))
+            return
+        if isinstance(outcome.job, EvalJob):
+            self.counts["validation_failures"] += 1
+            self._validated(ValidationLoss(time.monotonic(), outcome.job.step, None, 0, None,
+                                           outcome.reason))
             return
         self.book.release(s.sample_id for s in outcome.job.samples)
         self.counts["worker_restarts" if outcome.process_died else "backward_failures"] += 1
@@ -105,11 +132,20 @@ class Trainer:
         self.last_loss = ev.loss
         if self._publish is not None:
             self._publish(self.adapter)
+        finished = self.book.progress().finished
+        validating = bool(self._validation[0]) and (
+            self.optimizer_steps % self.config.validation_interval == 0 or finished)
+        if validating:
+            self._validation_due = ev.step
         self._emit(OptimizerStep(time.monotonic(), ev.step, epoch, ev.sample_ids, ev.num_tokens,
                                  ev.num_loss_tokens, ev.loss, ev.mean_token_accuracy,
-                                 ev.grad_norm, ev.lr, ev.wall_s, ev.paused_s))
-        if self.checkpointer.due(self.optimizer_steps, self.book.progress().finished):
+                                 ev.grad_norm, ev.lr, ev.wall_s, ev.paused_s, validating))
+        if self.checkpointer.due(self.optimizer_steps, finished):
             self.save_checkpoint()
+
+    def _validated(self, event: ValidationLoss) -> None:
+        self._validation_due = None
+        self._emit(event)
 
     # ---- checkpoints and events -------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -191,6 +227,9 @@ class Trainer:
         finally:
             for outcome in self.backward.stop(timeout_s=min(30.0, timeout_s)):
                 self._handle(outcome)
+            if self._validation_due is not None:  # owed, never run: say so
+                self._validated(ValidationLoss(time.monotonic(), self._validation_due, None, 0,
+                                               None, "not run: training stopped first"))
             self.book.release_ready()
             if checkpoint:
                 self.save_checkpoint()

@@ -1,4 +1,5 @@
-"""The backward process: a blocking loop over :class:`BackwardJob` messages.
+"""The backward process: a blocking loop over :class:`BackwardJob` (and :class:`EvalJob`)
+messages.
 
 It maps the host's base weights, the shared training adapter, the shared optimizer state and the
 activation buffer (shared memory on CPU, CUDA IPC on GPU), recomputes each job layer by layer,
@@ -25,11 +26,14 @@ from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.buffer import ActivationBuffer
+from deltaserve.train.evaluate import validation_loss
 from deltaserve.train.grant import Grant
 from deltaserve.train.messages import (
     BackwardDone,
     BackwardFailed,
     BackwardJob,
+    EvalDone,
+    EvalJob,
     LayerDone,
     Stop,
     WorkerReady,
@@ -100,6 +104,8 @@ class _Worker:
         self.trainable = AdapterWeights(shared.model_config, spec.lora,
                                         shared.adapter_flat.detach().clone()).make_trainable_()
         self.opt = build_adamw(self.trainable.flat, spec.optimizer, shared.optimizer)
+        # the committed adapter, as the host serves it: what validation measures
+        self.published = AdapterWeights(shared.model_config, spec.lora, shared.adapter_flat)
         self.parent = mp.parent_process()
         self.step = -1
         self.layer_t0 = time.perf_counter()
@@ -125,15 +131,21 @@ class _Worker:
         self.results.put(LayerDone(self.step, layer, now - self.layer_t0))
         self.layer_t0 = now
 
-    def run(self, job: BackwardJob) -> None:
+    def run(self, job: BackwardJob | EvalJob) -> None:
         self.parked.value = 0  # computing; it checks the grant before its first layer
         self.step, self.layer_t0 = job.step, time.perf_counter()
+        done: BackwardDone | EvalDone
         try:
-            done = run_job(self.model, self.trainable, self.opt, self.spec, self.shared, job,
-                           self.wait_grant, self.on_layer)
+            if isinstance(job, EvalJob):
+                done = validation_loss(self.model, self.published, job, self.wait_grant,
+                                       self.on_layer)
+            else:
+                done = run_job(self.model, self.trainable, self.opt, self.spec, self.shared,
+                               job, self.wait_grant, self.on_layer)
         except Exception:
             self.parked.value = 1
-            self.recover(job.step)
+            if isinstance(job, BackwardJob):  # validation changes nothing to undo
+                self.recover(job.step)
             self.results.put(BackwardFailed(job.step, traceback.format_exc()))
             return
         self.parked.value = 1

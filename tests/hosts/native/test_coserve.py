@@ -273,3 +273,34 @@ def test_pipelined_admission_trains_every_sample_exactly_once(tiny):
         assert any(s.backward_busy and s.rows.num_samples for s in spies.steps)
     finally:
         eng.detach(drain=False, checkpoint=False)
+
+
+def test_detach_while_the_loop_serves(tiny):
+    """A co-server is detached from another thread while the loop serves requests: the host
+    lets go of it between two steps (on its own thread), every request finishes with the
+    outputs of a run without co-serving, and the counters saw them all."""
+    ps = prompts(30, seed=9)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    base = [o.output_token_ids for o in replay(engine(tiny), ps, 0.0, params)]
+    eng = engine(tiny)
+    co = coserve(eng)
+    stop = threading.Event()
+    loop = threading.Thread(target=eng.run_loop, args=(stop,), daemon=True)
+    loop.start()
+    ran_on: list[threading.Thread] = []
+    try:
+        ids = [eng.add_request(p, params) for p in ps[:15]]
+        eng.call_between_steps(lambda: ran_on.append(threading.current_thread()))
+        assert ran_on == [loop]
+        with pytest.raises(ZeroDivisionError):  # the caller gets what fn raised; loop goes on
+            eng.call_between_steps(lambda: 1 / 0)
+        assert eng.detach(drain=True, checkpoint=False) is co and eng.coserver is None
+        ids += [eng.add_request(p, params) for p in ps[15:]]
+        while eng.has_unfinished():
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        loop.join()
+    assert [eng.pop_finished(i).output_token_ids for i in ids] == base
+    totals = eng.request_counters.totals()
+    assert totals.finished == 30 and totals.output_tokens == 30 * 6

@@ -1,0 +1,127 @@
+"""The real runner's pure parts: co-server events to job events (against hand-built
+sequences), the co-serving counters summed over jobs, and ``deltaserve serve``'s flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from deltaserve.cli import main
+from deltaserve.cli_flags import add_dataclass_flags, from_args
+from deltaserve.server.coserving_runner import FineTuningTotals
+from deltaserve.server.launch import DEFAULT_SLO, ServeConfig
+from deltaserve.server.protocols import CheckpointEvent, NoticeEvent, StepEvent, StepMetrics
+from deltaserve.server.runner_events import EventTranslator
+from deltaserve.train.events import (
+    CheckpointSaved,
+    CoServeStats,
+    OptimizerStep,
+    StepLost,
+    TrainingIOError,
+    ValidationLoss,
+)
+
+
+def opt(step, tokens=10, loss=2.0, validating=False):
+    return OptimizerStep(0.0, step, 0, (step,), tokens, tokens // 2, loss, 0.5, 1.0, 1e-3, 0.1,
+                         0.0, validating)
+
+
+def test_steps_wait_for_their_validation_loss_and_keep_their_order():
+    t = EventTranslator(trained_tokens=100, resumed=None)
+    t.feed(opt(0, loss=3.0))
+    t.feed(opt(1, loss=2.5, validating=True))
+    t.feed(CheckpointSaved(0.0, 2, "/ck/checkpoint-000002"))
+    assert t.take() == [StepEvent(StepMetrics(1, 3.0, 0.5, 110))]  # step 2 waits
+    t.feed(ValidationLoss(0.0, 1, 2.25, 40, 0.6))
+    m2 = StepMetrics(2, 2.5, 0.5, 120, valid_loss=2.25)
+    assert t.take() == [StepEvent(m2), CheckpointEvent(Path("/ck/checkpoint-000002"), m2)]
+    t.feed(CheckpointSaved(0.0, 2, "/ck/checkpoint-000002"))  # saved again as it closed
+    assert t.take() == []
+    t.feed(opt(2, validating=True))
+    t.feed(ValidationLoss(0.0, 2, None, 0, None, "Traceback ...\nIndexError: out of range"))
+    t.feed(StepLost(0.0, 3, 4, "backward process died (exit code -9)"))
+    t.feed(TrainingIOError(0.0, "training log", "OSError: [Errno 28] No space left"))
+    step, note, lost, io = t.take()
+    assert step == StepEvent(StepMetrics(3, 2.0, 0.5, 130, None))
+    assert isinstance(note, NoticeEvent) and "IndexError: out of range" in note.message
+    assert "Step 4" in lost.message and "4 samples train again" in lost.message
+    assert "No space left" in io.message and t.take() == []
+
+
+def test_a_checkpoint_without_a_step_of_its_own():
+    """Step 0 (nothing trained) is no checkpoint to list; a resumed step keeps its metrics."""
+    t = EventTranslator(trained_tokens=0, resumed=None)
+    t.feed(CheckpointSaved(0.0, 0, "/ck/checkpoint-000000"))
+    assert t.take() == []
+    resumed = StepMetrics(8, 1.5, 0.7, 800, 1.6)
+    t = EventTranslator(trained_tokens=800, resumed=resumed)
+    t.feed(CheckpointSaved(0.0, 8, "/ck/checkpoint-000008"))
+    assert t.take() == [CheckpointEvent(Path("/ck/checkpoint-000008"), resumed)]
+
+
+def stats(tokens, skips, busy):
+    return CoServeStats(tokens, tokens // 10, 0, 0, 0, 0, 0, 0, 0, 0, None, skips,
+                        ft_tokens_admitted=tokens + 5, steps_timed=tokens // 100,
+                        step_time_predicted_s=0.5, step_time_measured_s=0.25,
+                        backward_busy_s=busy)
+
+
+def test_totals_count_only_what_each_job_trained_here():
+    """A resumed job's co-server starts from its checkpoint's counts: only the difference
+    since it was attached is this server's."""
+    job1 = FineTuningTotals().plus(stats(1000, {"pool_empty": 3}, 2.0), stats(0, {}, 0.0))
+    job2 = job1.plus(stats(1500, {"pool_empty": 4, "over_budget": 2}, 3.0),
+                     stats(800, {"pool_empty": 1}, 0.5))  # resumed at 800 tokens
+    assert job2.tokens_committed == 1000 + 700 and job2.samples_committed == 100 + 70
+    assert job2.skips == {"pool_empty": 6, "over_budget": 2}
+    assert job2.backward_busy_s == pytest.approx(2.0 + 2.5)
+    assert job2.tokens_admitted == (1005 - 5) + (1505 - 805)
+
+
+def parse(*argv: str) -> ServeConfig:
+    p = argparse.ArgumentParser()
+    p.add_argument("host.model", nargs="?", default="smollm2")
+    add_dataclass_flags(p, ServeConfig)
+    return from_args(ServeConfig, p.parse_args(list(argv)))
+
+
+def test_serve_flags_come_from_the_config_tree():
+    assert parse() == ServeConfig()
+    assert ServeConfig().coserve.slo == DEFAULT_SLO
+    c = parse("/models/x", "--slo-ttft-s", "0.5", "--lora-r", "4", "--optimizer-lr", "0.01",
+              "--backward-batch-tokens", "64", "--bind", "0.0.0.0", "--api-key", "k",
+              "--max-num-batched-tokens", "128", "--num-epochs", "3", "--no-interrupt")
+    assert c.host.model == "/models/x" and c.host.max_num_batched_tokens == 128
+    assert c.coserve.slo.ttft_s == 0.5 and c.coserve.slo.tpot_s == DEFAULT_SLO.tpot_s
+    assert (c.coserve.lora.r, c.coserve.optimizer.lr, c.coserve.backward.batch_tokens) == (
+        4, 0.01, 64)
+    assert (c.coserve.num_epochs, c.coserve.interrupt) == (3, False)
+    assert (c.server.bind, c.server.api_key) == ("0.0.0.0", "k")
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--slo-ttft-s", "-0.005"], "--slo-ttft-s=-0.005"),
+    (["--lora-r", "0"], "--lora-r=0"),
+    (["--num-epochs", "0"], "--num-epochs=0"),
+    (["--optimizer-lr", "-1"], "--optimizer-lr=-1.0"),
+    (["--bind", "everywhere"], "--bind='everywhere'"),
+    (["--port", "70000"], "--port=70000"),
+    (["/no/such/model"], "MODEL='/no/such/model'"),
+    (["--latency-model", "/no/such.json"], "--latency-model='/no/such.json'"),
+])
+def test_serve_rejects_bad_input_before_any_model_loads(argv, named, tmp_path, capsys):
+    """Each error names the flag and its value; none loads a model (the built-in model would
+    take seconds, a missing one fails only here)."""
+    assert main(["serve", "--data-dir", str(tmp_path / "d"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"deltaserve: error: {named}"), err
+
+
+def test_serve_rejects_an_unwritable_data_dir(tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert main(["serve", "--data-dir", str(blocked / "sub")]) == 2
+    assert "--data-dir=" in capsys.readouterr().err

@@ -10,12 +10,15 @@ the pool.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 
+from deltaserve.core.admission import AdmissionPlan
+from deltaserve.core.contract import TrainingRows
 from deltaserve.core.errors import require
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
@@ -34,6 +37,7 @@ from deltaserve.train.messages import BackwardDone, BackwardJob
 from deltaserve.train.optim import OptimizerState
 from deltaserve.train.publish import PublishGuard
 from deltaserve.train.samples import SampleBook
+from deltaserve.train.step import CapturingStep
 from deltaserve.train.worker import SharedState, WorkerSpec
 
 Publish = Callable[[AdapterWeights], None]
@@ -71,6 +75,11 @@ class Trainer:
     def has_pending(self) -> bool:
         """Samples captured or in the backward but not yet committed."""
         return self.book.has_ready or self.backward.busy
+
+    def step(self, plan: AdmissionPlan, rows: TrainingRows, abortable: bool,
+             abort: threading.Event) -> CapturingStep:
+        """The step whose captures write the admitted rows of the activation buffer."""
+        return CapturingStep(plan, rows, abortable, self.buffer, abort)
 
     # ---- outcomes of the backward -----------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> None:

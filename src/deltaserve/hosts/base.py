@@ -217,14 +217,13 @@ class BaseHost(ABC):
             if text is None and self._tokenizer is not None:
                 text = self._tokenizer.decode(req.tokens, skip_special_tokens=True)
             req.text = text
-        out = req.output()
+        if req.callback is not None:
+            req.callback(req.output())
         if req.finished:
             with self._lock:
                 del self._live[request_id]
-                if req.callback is None:
-                    self._finished[request_id] = out
-        if req.callback is not None:
-            req.callback(out)
+                if req.callback is None:  # built once, not per token: nobody reads it before
+                    self._finished[request_id] = req.output()
 
     def subscribe_steps(self, listener: StepListener) -> None:
         """``listener`` receives a :class:`StepRecord` for every executed step."""

@@ -26,6 +26,16 @@ class ModelShape:
     vocab: int
     num_q_heads: int
     num_kv_heads: int
+    max_context: int  # max_position_embeddings
+
+    @property
+    def num_params(self) -> int:
+        """Weights: embedding and LM head (untied), per layer the attention and MLP projections
+        and two norms, and the final norm."""
+        kv = self.num_kv_heads * self.head_dim
+        layer = (2 * self.hidden * self.hidden + 2 * self.hidden * kv
+                 + 3 * self.hidden * self.ffn + 2 * self.hidden)
+        return 2 * self.vocab * self.hidden + self.num_layers * layer + self.hidden
 
     @property
     def head_dim(self) -> int:
@@ -53,6 +63,7 @@ class ProfileEntry:
     tp_degrees: tuple[int, ...]
     attention_tp_measured: tuple[int, ...]
     networks: tuple[str, ...]
+    gpu_memory_bytes: int
 
     @property
     def default_network(self) -> str:
@@ -60,9 +71,10 @@ class ProfileEntry:
 
 
 # Meta-Llama-3-8B's config.json: 32 layers, hidden 4096, intermediate 14336, vocab 128256,
-# 32 query heads, 8 KV heads. The profile CSVs carry the same shape columns (checked on load).
+# 32 query heads, 8 KV heads, 8,192 positions (8.03 B parameters). The profile CSVs carry the
+# same shape columns (checked on load).
 LLAMA_3_8B = ModelShape(num_layers=32, hidden=4096, ffn=14336, vocab=128256, num_q_heads=32,
-                        num_kv_heads=8)
+                        num_kv_heads=8, max_context=8192)
 
 # a100_pairwise_nvlink first: it is Vidur's default network for its A100 SKU (a node of 4 A100s
 # bridged by NVLink in pairs, where the compute profiles were taken); a100_dgx (NVSwitch) is the
@@ -73,7 +85,9 @@ CATALOGUE: dict[tuple[str, str], ProfileEntry] = {
         gpu="a100", model="llama-3-8b",
         compute_subdir="compute/a100/meta-llama/Meta-Llama-3-8B",
         shape=LLAMA_3_8B, tp_degrees=(1, 2, 4), attention_tp_measured=(1, 4),
-        networks=("a100_pairwise_nvlink", "a100_dgx")),
+        networks=("a100_pairwise_nvlink", "a100_dgx"),
+        # Vidur's A100 SKU is the 80 GB part (the profiles' HBM bandwidth agrees: docs/sim.md)
+        gpu_memory_bytes=80 * 2**30),
 }
 
 

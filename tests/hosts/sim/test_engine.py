@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 
 import pytest
 
@@ -126,3 +127,19 @@ def test_without_interruption_the_training_step_runs_whole(hardware):
                                                              SamplingParams(max_tokens=2)))
     eng.clock.run(until=lambda: bool(steps))
     assert not steps[0].aborted and math.isclose(steps[0].seconds, first.seconds)
+
+
+def test_nothing_on_the_simulated_path_reads_the_wall_clock(hardware, monkeypatch):
+    """Every time the control plane reads comes from the simulated clock: with the process's
+    monotonic clock made to fail, a co-served replay still runs."""
+    eng, steps = engine(hardware)
+    eng.attach(dataset=samples(100), config=CoServeConfig(SLO, num_epochs=None))
+
+    def wall_clock() -> float:
+        raise AssertionError("the simulated path read time.monotonic()")
+
+    monkeypatch.setattr(time, "monotonic", wall_clock)
+    outs = send(eng, 40, rate_rps=10)
+    eng.kick()
+    eng.clock.run(until=lambda: len(outs) == 40 and all(o.finished for o in outs.values()))
+    assert any(s.ft_tokens for s in steps) and any(s.shape.num_decode for s in steps)

@@ -2,6 +2,8 @@
 (:mod:`deltaserve.cli_flags`), so a default is written once, in its config class.
 
     deltaserve bench [--trace burst-light] [--systems a,b] [--duration S] ...
+    deltaserve bench --host sim --gpu a100 --model llama-3-8b --replicas 4 --trace burst-light
+    deltaserve plan --gpu a100 --model llama-3-8b --trace my.csv --replicas 1,2,4
     deltaserve calibrate --out latency_model.json [--model smollm2] [--host native]
     deltaserve serve --engine vllm MODEL --finetune-dataset PATH ...
 """
@@ -15,6 +17,9 @@ from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.run import run_bench
+from deltaserve.bench.sim.config import SimBenchConfig
+from deltaserve.bench.sim.experiment import run_sim_bench
+from deltaserve.bench.sim.plan import PlanConfig, plan
 from deltaserve.cli_flags import add_dataclass_flags, from_args
 from deltaserve.core.errors import InputError
 from deltaserve.hosts.config import HostConfig
@@ -47,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--host", choices=tuple(HOSTS), default="native")
     add_dataclass_flags(cal, HostConfig)
     add_dataclass_flags(cal, LoRAConfig, prefix="lora-")
+    plan = sub.add_parser("plan", help="simulate a fleet: FT tokens/s it absorbs at an SLO")
+    add_dataclass_flags(plan, PlanConfig)
     serve = sub.add_parser("serve", help="serve the OpenAI API with co-serving on")
     serve.add_argument("--engine", choices=("vllm",), default="vllm")
     serve.add_argument("rest", nargs=argparse.REMAINDER,
@@ -68,10 +75,31 @@ def _calibrate(ns: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _sim_bench(argv: list[str]) -> argparse.Namespace | None:
+    """``bench --host sim`` takes the simulated host's flags (its defaults are the paper's GPU
+    experiment); ``None`` for any other bench."""
+    if not argv or argv[0] != "bench":
+        return None
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--host")
+    if pre.parse_known_args(argv[1:])[0].host != "sim":
+        return None
+    parser = argparse.ArgumentParser(prog="deltaserve bench --host sim",
+                                     description="the benchmark on simulated GPUs")
+    add_dataclass_flags(parser, SimBenchConfig)
+    return parser.parse_args(argv[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    sim = _sim_bench(argv)
+    ns = sim if sim is not None else _parser().parse_args(argv)
     try:
-        if ns.command == "bench":
+        if sim is not None:
+            run_sim_bench(from_args(SimBenchConfig, sim))
+        elif ns.command == "plan":
+            plan(from_args(PlanConfig, ns))
+        elif ns.command == "bench":
             run_bench(from_args(BenchConfig, ns))
         elif ns.command == "calibrate":
             _calibrate(ns)

@@ -2,10 +2,10 @@
 
 A field becomes ``--<prefix><name>`` (underscores as dashes), typed from its annotation: bool
 fields become ``--name`` / ``--no-name`` switches, enums take their values as choices, tuples
-take one or more values. A field that is itself a config dataclass contributes its own fields,
-under the prefix in its ``metadata={"prefix": ...}`` (default: its name and a dash). A field's
-metadata may rename its flag (``"flag"``) or add help (``"help"``); a nested field's
-``"skip"`` lists inner fields that get no flag (they keep their defaults).
+take one or more values (space- or comma-separated). A field that is itself a config dataclass
+contributes its own fields, under the prefix in its ``metadata={"prefix": ...}`` (default: its
+name and a dash). A field's metadata may rename its flag (``"flag"``) or add help (``"help"``);
+a nested field's ``"skip"`` lists inner fields that get no flag (they keep their defaults).
 """
 
 from __future__ import annotations
@@ -54,11 +54,20 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
             parser.add_argument(flag, dest=path, type=kind, default=default,
                                 choices=list(kind), help=help_text)
         elif typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, dest=path, nargs="+", type=typing.get_args(kind)[0],
+            parser.add_argument(flag, dest=path, nargs="+", type=_items(typing.get_args(kind)[0]),
                                 default=default, help=help_text, metavar=f.name.upper())
         else:
             parser.add_argument(flag, dest=path, type=kind, default=default, help=help_text,
                                 metavar=f.name.upper())
+
+
+def _items(kind: Any) -> Any:
+    """A tuple flag's item parser: ``--x 1 2 4`` and ``--x 1,2,4`` both give (1, 2, 4)."""
+    def parse(text: str) -> list:
+        return [kind(part.strip()) for part in text.split(",") if part.strip()]
+
+    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in errors
+    return parse
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -83,5 +92,7 @@ def from_args(cls: type, ns: Namespace, dest: str = "", **given: Any) -> Any:
             kwargs[f.name] = from_args(kind, ns, f"{path}.")
         elif hasattr(ns, path):
             value = getattr(ns, path)
-            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+            if isinstance(value, list):  # a tuple flag: one list of items per word given
+                value = tuple(v for part in value for v in part)
+            kwargs[f.name] = value
     return cls(**kwargs)

@@ -104,32 +104,34 @@ def lookup_profile(gpu: str, model: str) -> ProfileEntry:
     return entry
 
 
-def _beside_checkout() -> Path:
-    # src/deltaserve/hosts/sim/catalogue.py -> the checkout root is parents[4]
-    return Path(__file__).resolve().parents[4].parent / "shared" / "data" / "vidur"
-
-
-def vidur_dir_candidates() -> list[Path]:
-    """Where the data is looked for when no directory is given, in order."""
+def shared_data_candidates() -> list[Path]:
+    """Where the shared data is looked for, in order: ``$DELTASERVE_SHARED_DATA``,
+    ``../shared/data`` beside the checkout, ``/work/shared/data``."""
     env = os.environ.get(DATA_DIR_ENV)
-    found = [Path(env) / "vidur"] if env else []
-    return [*found, _beside_checkout(), Path("/work/shared/data/vidur")]
+    # src/deltaserve/hosts/sim/catalogue.py -> the checkout root is parents[4]
+    beside = Path(__file__).resolve().parents[4].parent / "shared" / "data"
+    return [*([Path(env)] if env else []), beside, Path("/work/shared/data")]
+
+
+def resolve_shared(relative: str, field: str, explicit: str | Path | None = None) -> Path:
+    """A file or directory of the shared data: ``explicit`` if given (it must exist), else
+    ``relative`` under the first candidate that has it (:func:`shared_data_candidates`)."""
+    if explicit is not None:
+        path = Path(explicit)
+        if not path.exists():
+            raise InputError(field, str(path), "does not exist")
+        return path
+    candidates = [root / relative for root in shared_data_candidates()]
+    for path in candidates:
+        if path.exists():
+            return path
+    raise InputError(field, None, f"not found; looked in {', '.join(map(str, candidates))} "
+                     f"(pass a path or set ${DATA_DIR_ENV})")
 
 
 def resolve_vidur_dir(explicit: str | Path | None = None) -> Path:
-    """The Vidur data directory: ``explicit`` if given (it must exist), else the first existing of
-    ``$DELTASERVE_SHARED_DATA/vidur``, ``../shared/data/vidur`` beside the checkout and
-    ``/work/shared/data/vidur``."""
-    if explicit is not None:
-        path = Path(explicit)
-        if not path.is_dir():
-            raise InputError("vidur_data_dir", str(path), "is not a directory")
-        return path
-    candidates = vidur_dir_candidates()
-    for path in candidates:
-        if path.is_dir():
-            return path
-    raise InputError("vidur_data_dir", None,
-                     "no Vidur profile directory found; looked in "
-                     + ", ".join(map(str, candidates))
-                     + f" (pass a directory or set ${DATA_DIR_ENV})")
+    """The Vidur profile directory (``vidur`` under the shared data unless given)."""
+    path = resolve_shared("vidur", "vidur_data_dir", explicit)
+    if not path.is_dir():
+        raise InputError("vidur_data_dir", str(path), "is not a directory")
+    return path

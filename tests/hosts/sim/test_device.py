@@ -89,6 +89,20 @@ def test_completion_waits_for_the_group():
     assert job is not None and d.job is None
 
 
-def test_an_exclusive_grant_is_refused_clearly():
+def test_time_slicing_runs_the_step_after_the_backward_parks():
+    clock, d = device(GrantPolicy.EXCLUSIVE)
+    d.start_job(JOB)
+    clock.advance_to(0.0005)  # a quarter into layer unit 1
+    d.set_grant(False)  # before_step of any step
+    base = 0.015
+    assert d.begin_step(base) == pytest.approx(JOB.unit_s - 0.0005 + base)
+    clock.advance_to(0.0005 + JOB.unit_s - 0.0005 + base)
+    d.end_step()  # the grant stays cleared: parked at the boundary
+    assert d.local_done_at() == float("inf")
+    d.set_grant(True)  # the host lends the device (a yield, or idle time)
+    assert d.local_done_at() == pytest.approx(clock.now() + JOB.local_s - JOB.unit_s)
+
+
+def test_a_policy_the_device_cannot_model_is_refused_clearly():
     with pytest.raises(InputError, match="grant_policy"):
-        GpuTimeline(SimClock(), GrantPolicy.EXCLUSIVE, PARAMS)
+        GpuTimeline(SimClock(), GrantPolicy.AUTO, PARAMS)

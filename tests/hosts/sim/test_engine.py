@@ -11,12 +11,13 @@ import time
 
 import pytest
 
+from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.core.contract import StepRecord
 from deltaserve.core.requests import RequestOutput, SamplingParams
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.sim.config import SimHostConfig
 from deltaserve.hosts.sim.engine import SimEngine
-from deltaserve.train.config import CoServeConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy
 from deltaserve.train.events import OptimizerStep
 from tests.hosts.sim.conftest import samples
 
@@ -143,3 +144,23 @@ def test_nothing_on_the_simulated_path_reads_the_wall_clock(hardware, monkeypatc
     eng.kick()
     eng.clock.run(until=lambda: len(outs) == 40 and all(o.finished for o in outs.values()))
     assert any(s.ft_tokens for s in steps) and any(s.shape.num_decode for s in steps)
+
+
+def test_a_time_sliced_backward_gets_the_lent_time_before_a_decode_step(hardware):
+    """LLMStation's design: the host lends the device before a decode step for what its
+    lookup prices, and the backward computes only then (and in idle time)."""
+    eng, steps = engine(hardware, noise=False)
+    co = eng.attach(dataset=samples(300), config=CoServeConfig(
+        SLO, num_epochs=None, backward=BackwardConfig(grant_policy=GrantPolicy.EXCLUSIVE)),
+        scheduler_cls=LLMStationScheduler)
+    outs = send(eng, 30, rate_rps=4)
+    eng.kick()
+    eng.clock.run(until=lambda: len(outs) == 30 and all(o.finished for o in outs.values()))
+    assert co.trainer.counts["yields"] > 0
+    # a yield delays the step after it: the gap before a decode step exceeds the step itself
+    gaps = [b.t_s - a.t_s - b.seconds for a, b in itertools.pairwise(steps)
+            if b.shape.is_decode_only]
+    assert max(gaps) > 0.005
+    # the lent slots are what LLMStation's lookup leaves of 0.9 × TPOT: none is longer
+    assert max(gaps) <= 0.9 * SLO.tpot_s
+    assert co.stats().ft_tokens_committed > 0

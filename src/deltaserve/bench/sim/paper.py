@@ -91,9 +91,13 @@ def differences(results: dict) -> list[str]:
         "shapes (2 s peaks at 80 req/s, 4 s at 120 req/s; prompt median 512, output median "
         "128 tokens, log-normal); the paper's lengths are not known here. 'production' is the "
         "Azure LLM code trace (first 20 minutes), not the paper's Nutanix trace.",
-        "LLMStation is its policy re-implemented on this host (fine-tuning fused only into "
-        "decode iterations, admitted by a per-shape latency cache blind to KV length and "
-        "graph vs eager), not the original system.",
+        "LLMStation is its policy re-implemented on this host, not the original system: "
+        "fine-tuning forwards fused only into decode iterations and admitted by a per-shape "
+        "latency cache blind to KV length and graph vs eager; its backward time-sliced into "
+        "the device before decode iterations for what that cache says the decode objective "
+        "leaves (0.9 × TPOT), and into idle time. DeltaServe's backward is a separate process "
+        "that overlaps decode steps (sharing the GPU at the modelled contention) and parks at a "
+        "layer boundary for every prefill.",
         "Split-pool's trainer is the same forward and backward model with a GPU to itself "
         "(packed samples, no padding): an optimistic standalone trainer.",
         "Modelled, not profiled: backward cost (1.07 × forward), the contention of a backward "

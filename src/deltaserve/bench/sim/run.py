@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.bench.sim.config import SimBenchConfig
 from deltaserve.bench.sim.inputs import SimData, sim_samples
 from deltaserve.bench.sim.paper import ablation_table
@@ -25,7 +26,7 @@ from deltaserve.hosts.sim.fleet import CoServing, Fleet
 from deltaserve.hosts.sim.hardware import SimHardware, gpu_hardware
 from deltaserve.hosts.sim.modelled import ModelledParams
 from deltaserve.hosts.sim.profiles import GpuProfiles, load_profiles
-from deltaserve.train.config import CoServeConfig
+from deltaserve.train.config import CoServeConfig, GrantPolicy
 from deltaserve.workloads.trace import Trace
 
 ABLATION_SYSTEMS = "inference-only,deltaserve,deltaserve-temp,deltaserve-no-interrupt"
@@ -70,6 +71,21 @@ def prepare(cfg: SimBenchConfig, params: ModelledParams | None = None,
                     SLOConfig(cfg.ttft_slo_ms / 1e3, cfg.tpot_slo_ms / 1e3))
 
 
+def grant_policy(setup: SimSetup, spec: SystemSpec) -> GrantPolicy:
+    """How a system's backward shares the simulated GPU. DeltaServe and the controls: its design,
+    a separate backward process that overlaps decode steps and parks at a layer boundary for
+    prefills (``prefill``). LLMStation: its own design, backward tasklets time-sliced into
+    inference iterations where its latency lookup says the decode objective allows
+    (``exclusive``: the host lends the device before a step for what
+    ``LLMStationScheduler.yield_budget_s`` prices, and in idle time)."""
+    b = setup.cfg.backward.grant_policy
+    if b is not GrantPolicy.AUTO:
+        return b
+    if issubclass(spec.scheduler_cls, LLMStationScheduler):
+        return GrantPolicy.EXCLUSIVE
+    return setup.hw.policy
+
+
 def coserve_config(setup: SimSetup, spec: SystemSpec) -> CoServeConfig:
     """As the CPU bench configures a co-serving system: a pipelined one gets buffer room for
     the next batch while the backward reads this one."""
@@ -79,7 +95,8 @@ def coserve_config(setup: SimSetup, spec: SystemSpec) -> CoServeConfig:
     return CoServeConfig(
         slo=setup.slo, admission=AdmissionConfig(mode=spec.mode,
                                                  admit_during_backward=spec.pipeline),
-        lora=cfg.lora, optimizer=cfg.optimizer, backward=replace(b, buffer_tokens=buffer),
+        lora=cfg.lora, optimizer=cfg.optimizer,
+        backward=replace(b, buffer_tokens=buffer, grant_policy=grant_policy(setup, spec)),
         interrupt=spec.interrupt, num_epochs=None, seed=cfg.seed)
 
 

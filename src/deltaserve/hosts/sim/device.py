@@ -12,6 +12,10 @@ GrantPolicy`):
   clears the grant (prefill or fine-tuning rows) starts at once; the backward finishes the layer
   unit it is in beside it (the same σ and s: the tail of one unit, ≤ 2 ms here) and parks at the
   layer boundary until the grant is set again.
+* ``exclusive`` (time slicing: LLMStation's tasklets fused into inference iterations). The
+  backward computes only while no host step runs (idle time, and the time a host lends it before
+  a step); a step clears the grant and first waits for the backward to reach its layer boundary
+  (at rate 1), then runs alone.
 * ``partition`` (CPUs): the backward owns its own cores; rate 1 always, steps never slowed.
 
 After the local work the job waits for the gradient all-reduce of its data-parallel group (if
@@ -30,7 +34,7 @@ from deltaserve.hosts.sim.clock import SimClock
 from deltaserve.hosts.sim.modelled import ModelledParams
 from deltaserve.train.config import GrantPolicy
 
-SIMULATED_POLICIES = (GrantPolicy.PREFILL, GrantPolicy.PARTITION)
+SIMULATED_POLICIES = (GrantPolicy.PREFILL, GrantPolicy.EXCLUSIVE, GrantPolicy.PARTITION)
 
 
 class Phase(Enum):
@@ -85,6 +89,7 @@ class GpuTimeline:
         share, slow = params.backward_share_under_decode, params.decode_slowdown_under_backward
         self._share, self._slowdown = (1.0, 0.0) if policy is GrantPolicy.PARTITION \
             else (share, slow)
+        self.exclusive = policy is GrantPolicy.EXCLUSIVE
         self.grant = True
         self.step_running = False
         self.job: _Job | None = None
@@ -146,6 +151,9 @@ class GpuTimeline:
         if work <= 1e-15:
             self._set_rate(j, 0.0, j.done_s)
             return base_s
+        if self.exclusive:  # the step waits for the backward's layer boundary, then runs alone
+            self._set_rate(j, 1.0, j.timing.next_boundary(j.done_s))
+            return (j.cap_s - j.done_s) + base_s
         self._set_rate(j, self._share, target)
         overlap_s = work / self._share
         stretched = base_s * (1.0 + self._slowdown)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
@@ -41,46 +40,17 @@ from deltaserve.hosts.sim.clock import SimClock
 from deltaserve.hosts.sim.config import SimHostConfig
 from deltaserve.hosts.sim.device import GpuTimeline
 from deltaserve.hosts.sim.hardware import SimHardware, gpu_hardware
-from deltaserve.hosts.sim.oracle import PrefillChunk, SimBatch, StepNoise
+from deltaserve.hosts.sim.oracle import StepNoise
+from deltaserve.hosts.sim.steps import RunningStep, YieldingStep, sim_batch
 from deltaserve.hosts.sim.trainer import SimTrainerFactory
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.attach import resolve_config
-from deltaserve.train.config import CoServeConfig
+from deltaserve.train.config import CoServeConfig, GrantPolicy
 from deltaserve.train.facade import BaseCoServer
 
 SAMPLED_TOKEN = 0  # what a simulated step "samples": no logits exist
-
-
-@dataclass(eq=False)
-class _Running:
-    """A step in flight; ``co``: the co-server that planned it (it observes it, even when it
-    was detached meanwhile)."""
-
-    batch: ScheduledBatch
-    co: CoServingHooks | None
-    step: TrainingStep | None
-    shape: StepShape
-    start_s: float
-    seconds: float
-    num_layers: int
-
-    @property
-    def layer_s(self) -> float:
-        return self.seconds / self.num_layers
-
-
-def sim_batch(batch: ScheduledBatch, ft_lens: tuple[int, ...], mode: ExecMode, tp: int
-              ) -> SimBatch:
-    """The oracle's batch: each chunk behind its cached prefix, each decode over its context."""
-    prefills, decodes = [], []
-    for item in batch.items:
-        if item.is_decode:
-            decodes.append(item.request.num_computed + 1)
-        else:
-            prefills.append(PrefillChunk(item.num_tokens, item.request.num_computed))
-    return SimBatch(tuple(prefills), tuple(decodes), ft_lens, mode=mode, tp=tp)
 
 
 class SimEngine(BaseHost):
@@ -100,7 +70,8 @@ class SimEngine(BaseHost):
         self.noise = StepNoise(self.hw.noise_sigma, self.noise_seed)
         self.device = GpuTimeline(self.clock, self.hw.policy, self.hw.params)
         self._requests: dict[str, Request] = {}
-        self._running: _Running | None = None
+        self._running: RunningStep | None = None
+        self._yielding: YieldingStep | None = None
         self._backward_version = -1
         self.on_backward_local_done: Callable[[], None] = self.finish_backward_alone
         # the engine settled after an event (a data-parallel group re-checks its round)
@@ -157,6 +128,10 @@ class SimEngine(BaseHost):
         if self._co is not None:
             raise InputError("coserver", "attached", "detach the current co-server first")
         config = resolve_config(config, slo, overrides)
+        policy = config.backward.grant_policy
+        if policy is not GrantPolicy.AUTO and policy is not self.device.policy:
+            # the device shares itself as this co-server's backward asks (nothing runs yet)
+            self.device = GpuTimeline(self.clock, policy, self.hw.params)
         if latency_model is None:
             latency_model = self.calibrate(config.lora, None, config.latency, seed=config.seed)
         factory = SimTrainerFactory(self.clock, self.device, self.hw.backward,
@@ -193,8 +168,10 @@ class SimEngine(BaseHost):
         running abortable step is checked at its next layer boundary."""
         rid = super().add_request(prompt, params, adapter=adapter, callback=callback,
                                   request_id=request_id)
-        run = self._running
-        if run is None:
+        run, y = self._running, self._yielding
+        if y is not None:
+            self._resume(y)  # an arrival ends a yield at once (the host's wake event)
+        elif run is None:
             self.kick()
         elif run.step is not None and run.step.abortable:
             now = self.clock.now()
@@ -236,7 +213,7 @@ class SimEngine(BaseHost):
         """Start the next step if the engine is free; else, with co-serving work pending, lend
         the device to the backward and sleep until it or an arrival wakes the engine."""
         for _ in range(3):  # a backward result handled while idle may make a step possible
-            if self._running is not None or self.step():
+            if self._running is not None or self._yielding is not None or self.step():
                 break
             co = self.coserver
             if co is None or not co.wants_step():
@@ -257,6 +234,30 @@ class SimEngine(BaseHost):
                 return False
             self._begin(batch, None, step_shape(batch, mode))
             return True
+        if not batch.is_empty:
+            now = self.clock.now()
+            pause = co.yield_budget_s(scheduling_view(batch, self.scheduler, now, mode))
+            if pause > 0:  # the SLOs have room: the backward gets the device first
+                co.yield_to_backward(pause, self._wake)
+                y = self._yielding = YieldingStep(batch, mode)
+                self.clock.at(now + pause, lambda: self._resume(y))
+                return True
+        return self._plan_and_begin(co, batch, mode)
+
+    def _resume(self, y: YieldingStep) -> None:
+        """The lent time is over (or an arrival cut it short): plan and run the step."""
+        if self._yielding is not y:
+            return
+        self._yielding = None
+        co = self.coserver
+        if co is None:
+            self._begin(y.batch, None, step_shape(y.batch, y.mode))
+        else:
+            self._plan_and_begin(co, y.batch, y.mode)
+        self._watch_backward()
+
+    def _plan_and_begin(self, co: CoServingHooks, batch: ScheduledBatch, mode: ExecMode
+                        ) -> bool:
         view = scheduling_view(batch, self.scheduler, self.clock.now(), mode)
         step = co.plan(view)
         if batch.is_empty and not step.rows.num_samples:
@@ -275,17 +276,17 @@ class SimEngine(BaseHost):
         ft = step.rows.lengths if step is not None else ()
         base_s = self.hw.oracle.step_seconds(sim_batch(batch, ft, shape.mode, self.hw.tp))
         seconds = self.device.begin_step(base_s * self.noise.factor())
-        run = _Running(batch, self.coserver, step, shape, self.clock.now(), seconds,
+        run = RunningStep(batch, self.coserver, step, shape, self.clock.now(), seconds,
                        self.hw.shape.num_layers)
         self._running = run
         self.clock.at(run.start_s + seconds, lambda: self._end(run, None))
 
-    def _layer_check(self, run: _Running, layer: int) -> None:
+    def _layer_check(self, run: RunningStep, layer: int) -> None:
         """The forward reached ``layer``'s boundary: a real one asks ``should_abort`` here."""
         if self._running is run and run.step is not None and run.step.should_abort():
             self._end(run, layer)
 
-    def _end(self, run: _Running, aborted_at: int | None) -> None:
+    def _end(self, run: RunningStep, aborted_at: int | None) -> None:
         if self._running is not run:
             return  # aborted earlier at a layer boundary
         self._running = None

@@ -70,21 +70,29 @@ class SimBackward:
 
     @property
     def exclusive(self) -> bool:
-        return False  # GrantPolicy.EXCLUSIVE is refused by the device
+        return self.policy is GrantPolicy.EXCLUSIVE
 
     def before_step(self, shape: StepShape) -> None:
-        if self.policy is GrantPolicy.PREFILL and (shape.prefill_lens or shape.ft_lens):
+        """As the real driver: an exclusive backward yields every step (the device makes the
+        step wait for its layer boundary); under ``prefill``, steps with prefill or training
+        rows take the GPU back."""
+        if self.exclusive or (self.policy is GrantPolicy.PREFILL
+                              and (shape.prefill_lens or shape.ft_lens)):
             self.device.set_grant(False)
 
     def after_step(self) -> None:
-        self.device.set_grant(True)
+        if not self.exclusive:
+            self.device.set_grant(True)
 
     def release(self) -> None:
         self.device.set_grant(True)
 
     def lend(self, seconds: float, wake: threading.Event) -> float:
-        """Never asked: only an exclusive backward is lent time."""
-        return 0.0
+        """The host lends the device now: the backward runs until the host's next step, which
+        the simulated host schedules ``seconds`` later (or at an arrival). Simulated time does
+        not pass inside this call, so the time given is the time promised."""
+        self.device.set_grant(True)
+        return seconds
 
     def submit(self, samples: tuple[JobSample, ...]) -> None:
         t = self.model.time(BackwardJob(tuple(s.length for s in samples), self.tp))

@@ -18,6 +18,7 @@ from deltaserve.core.calibration import CalibrationConfig, HostLimits
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.sim import standalone
+from deltaserve.hosts.sim.backward import BackwardModel
 from deltaserve.hosts.sim.calibrate import calibrate
 from deltaserve.hosts.sim.catalogue import lookup_profile
 from deltaserve.hosts.sim.dp import allreduce_seconds
@@ -54,8 +55,10 @@ class SimSetup:
     slo: SLOConfig
 
     def allreduce_s(self, replicas: int) -> float:
-        return allreduce_seconds(self.profiles, replicas, self.hw.tp, self.hw.shape,
-                                 self.hw.backward.lora)
+        model = self.hw.backward
+        if replicas <= 1 or not isinstance(model, BackwardModel):
+            return 0.0
+        return allreduce_seconds(self.profiles, replicas, self.hw.tp, self.hw.shape, model.lora)
 
 
 def prepare(cfg: SimBenchConfig, params: ModelledParams | None = None,

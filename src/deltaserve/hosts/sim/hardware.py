@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaserve.hosts.sim.backward import BackwardModel
+from deltaserve.hosts.sim.backward import BackwardCost, BackwardModel
 from deltaserve.hosts.sim.catalogue import ModelShape, ProfileEntry, lookup_profile
 from deltaserve.hosts.sim.config import MemoryBudget, SimHostConfig, memory_budget
 from deltaserve.hosts.sim.modelled import LoraConfig, ModelledParams
@@ -22,11 +22,13 @@ class SimHardware:
     ``params.max_graph_batch`` rows). ``policy``: how the backward shares the device
     (``prefill`` on a GPU, ``partition`` for a CPU with the backward on its own cores).
     ``noise_sigma``: run-to-run spread of a step (log-space σ). ``memory``: how the KV capacity
-    was derived (None where it was given)."""
+    was derived (None where it was given). ``standalone_tokens_per_s``: a measured standalone
+    trainer's rate (split-pool's), where one was measured; else the oracle's forward and the
+    backward cost price it."""
 
     name: str
     oracle: StepTimeOracle
-    backward: BackwardModel
+    backward: BackwardCost
     shape: ModelShape
     tp: int
     kv_tokens: int
@@ -35,6 +37,7 @@ class SimHardware:
     noise_sigma: float
     params: ModelledParams
     memory: MemoryBudget | None = None
+    standalone_tokens_per_s: float | None = None
 
 
 def sim_lora(lora: LoRAConfig) -> LoraConfig:

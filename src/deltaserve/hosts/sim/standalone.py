@@ -44,7 +44,10 @@ def batches(samples: Sequence[TrainingSample], batch_tokens: int, seed: int
 
 
 def step_seconds(hw: SimHardware, lens: tuple[int, ...]) -> float:
-    """A packed forward of ``lens`` and its backward, with the device to itself."""
+    """A packed forward of ``lens`` and its backward, with the device to itself (at the
+    measured standalone rate where one was measured)."""
+    if hw.standalone_tokens_per_s:
+        return sum(lens) / hw.standalone_tokens_per_s
     forward = hw.oracle.step_seconds(SimBatch(ft_lens=lens, tp=hw.tp))
     return forward + hw.backward.seconds(BackwardJob(lens, hw.tp))
 

@@ -22,7 +22,7 @@ from deltaserve.core.admission import AdmissionPlan
 from deltaserve.core.contract import TrainingRows
 from deltaserve.core.errors import require
 from deltaserve.core.shape import StepShape
-from deltaserve.hosts.sim.backward import BackwardJob, BackwardModel
+from deltaserve.hosts.sim.backward import BackwardCost, BackwardJob
 from deltaserve.hosts.sim.clock import SimClock
 from deltaserve.hosts.sim.device import GpuTimeline, JobTiming
 from deltaserve.hosts.sim.oracle import StepNoise
@@ -58,7 +58,7 @@ class SimStep:
 class SimBackward:
     """:class:`~deltaserve.train.trainer_api.BackwardControl` over the simulated device."""
 
-    def __init__(self, policy: GrantPolicy, device: GpuTimeline, model: BackwardModel,
+    def __init__(self, policy: GrantPolicy, device: GpuTimeline, model: BackwardCost,
                  noise: StepNoise, tp: int):
         self.policy, self.device, self.model, self.noise, self.tp = policy, device, model, noise, tp
         self.job_samples: tuple[JobSample, ...] = ()
@@ -98,7 +98,7 @@ class SimBackward:
         t = self.model.time(BackwardJob(tuple(s.length for s in samples), self.tp))
         f = self.noise.factor()
         self.layer_s = t.layer_unit_s * f
-        n = self.model.oracle.num_layers
+        n = self.model.num_layers
         self.job_samples = samples
         self.device.start_job(JobTiming(t.layers_s * f / n, n, t.head_s * f, t.optimizer_s))
 
@@ -194,7 +194,7 @@ class SimTrainerFactory:
 
     clock: SimClock
     device: GpuTimeline
-    model: BackwardModel
+    model: BackwardCost
     noise: StepNoise
     tp: int = 1
 

@@ -2,6 +2,8 @@
 (:mod:`deltaserve.cli_flags`), so a default is written once, in its config class.
 
     deltaserve bench [--trace burst-light] [--systems a,b] [--duration S] ...
+    deltaserve bench --host sim --gpu a100 --model llama-3-8b --replicas 4 --trace burst-light
+    deltaserve plan --gpu a100 --model llama-3-8b --trace my.csv --replicas 1,2,4
     deltaserve calibrate --out latency_model.json [--model smollm2] [--host native]
     deltaserve serve [MODEL] [--api-key KEY] [--data-dir DIR] ...   (the embedded engine)
     deltaserve serve --engine vllm MODEL [vLLM flags] ...
@@ -14,6 +16,9 @@ import sys
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.run import run_bench
+from deltaserve.bench.sim.config import SimBenchConfig
+from deltaserve.bench.sim.experiment import run_sim_bench
+from deltaserve.bench.sim.plan import PlanConfig, plan
 from deltaserve.cli_flags import add_dataclass_flags, checked_from_args, from_args
 from deltaserve.core.errors import InputError
 from deltaserve.hosts.config import HostConfig
@@ -37,6 +42,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, Flags]]:
     cal.add_argument("--host", choices=tuple(HOSTS), default="native")
     add_dataclass_flags(cal, HostConfig)
     add_dataclass_flags(cal, LoRAConfig, prefix="lora-")
+    plan = sub.add_parser("plan", help="simulate a fleet: FT tokens/s it absorbs at an SLO")
+    flags["plan"] = add_dataclass_flags(plan, PlanConfig)
     serve = sub.add_parser(
         "serve", help="the OpenAI inference, Files and Fine-tuning Jobs APIs, co-serving",
         description="Serve MODEL (default: the built-in model) on the embedded engine. With "
@@ -85,14 +92,34 @@ def _calibrate(ns: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _sim_bench(argv: list[str]) -> argparse.Namespace | None:
+    """``bench --host sim`` takes the simulated host's flags (its defaults are the paper's GPU
+    experiment); ``None`` for any other bench."""
+    if not argv or argv[0] != "bench":
+        return None
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--host")
+    if pre.parse_known_args(argv[1:])[0].host != "sim":
+        return None
+    parser = argparse.ArgumentParser(prog="deltaserve bench --host sim",
+                                     description="the benchmark on simulated GPUs")
+    add_dataclass_flags(parser, SimBenchConfig)
+    return parser.parse_args(argv[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"] and _engine(argv[1:]) == "vllm":
         return _serve_vllm(argv[1:])
+    sim = _sim_bench(argv)
     parser, flags = _parser()
-    ns = parser.parse_args(argv)
+    ns = sim if sim is not None else parser.parse_args(argv)
     try:
-        if ns.command == "bench":
+        if sim is not None:
+            run_sim_bench(from_args(SimBenchConfig, sim))
+        elif ns.command == "plan":
+            plan(checked_from_args(PlanConfig, ns, flags["plan"]))
+        elif ns.command == "bench":
             run_bench(checked_from_args(BenchConfig, ns, flags["bench"]))
         elif ns.command == "calibrate":
             _calibrate(ns)

@@ -2,7 +2,7 @@
 
 A field becomes ``--<prefix><name>`` (underscores as dashes), typed from its annotation: bool
 fields become ``--name`` / ``--no-name`` switches, enums take their values as choices, tuples
-take one or more values. A field that is itself a config dataclass contributes its own fields,
+take one or more values (space- or comma-separated). A field that is itself a config dataclass contributes its own fields,
 under the prefix in its ``metadata={"prefix": ...}`` (default: its name and a dash). A field's
 metadata may rename its flag (``"flag"``) or add help (``"help"``); a nested field's
 ``"skip"`` lists inner fields that get no flag (they keep their defaults). A nested field's
@@ -69,12 +69,21 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
             parser.add_argument(flag, dest=path, type=kind, default=default,
                                 choices=list(kind), help=help_text)
         elif typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, dest=path, nargs="+", type=typing.get_args(kind)[0],
+            parser.add_argument(flag, dest=path, nargs="+", type=_items(typing.get_args(kind)[0]),
                                 default=default, help=help_text, metavar=f.name.upper())
         else:
             parser.add_argument(flag, dest=path, type=kind, default=default, help=help_text,
                                 metavar=f.name.upper())
     return flags
+
+
+def _items(kind: type) -> object:
+    """A tuple flag's item parser: ``--x 1 2 4`` and ``--x 1,2,4`` both give (1, 2, 4)."""
+    def parse(text: str) -> list[object]:
+        return [kind(part.strip()) for part in text.split(",") if part.strip()]
+
+    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in errors
+    return parse
 
 
 def _default(f: dataclasses.Field) -> object:
@@ -100,7 +109,9 @@ def from_args(cls: type[T], ns: Namespace, dest: str = "", **given: object) -> T
                 kwargs[f.name] = from_args(kind, ns, f"{path}.")
         elif hasattr(ns, path):
             value = getattr(ns, path)
-            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+            if isinstance(value, list):  # a tuple flag: one list of items per word given
+                value = tuple(v for part in value for v in part)
+            kwargs[f.name] = value
     return cls(**kwargs)
 
 

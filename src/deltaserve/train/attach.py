@@ -29,6 +29,7 @@ from deltaserve.model.llama import LlamaModel
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.coserver import CoServer
 from deltaserve.train.preflight import preflight
+from deltaserve.train.facade import BaseCoServer
 
 logger = logging.getLogger("deltaserve")
 
@@ -97,7 +98,7 @@ def attach(host: TrainingHost, *, dataset: Dataset, slo: SLOConfig | None = None
     return co
 
 
-def detach(host: TrainingHost, co: CoServer, *, drain: bool = True,
+def detach(host: TrainingHost, co: BaseCoServer, *, drain: bool = True,
            checkpoint: bool = True) -> None:
     """Stop co-serving: the host stops calling ``co``; captured samples are trained
     (``drain``) or returned; a checkpoint of the last committed step is written."""

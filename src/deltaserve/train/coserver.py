@@ -1,162 +1,61 @@
-"""The co-server: :class:`deltaserve.core.contract.CoServingHooks` over its parts.
-
-* :class:`~deltaserve.train.samples.SampleBook`: pool, buffer rows, dropout seeds, ready queue;
-* :class:`~deltaserve.core.admission.AdmissionScheduler`: Algorithm 1 (or a baseline policy)
-  over the latency model;
-* :class:`~deltaserve.train.trainer.Trainer`: adapter, optimizer state, activation buffer, the
-  backward driver (process and grant) and the checkpointer.
-
-Sample lifecycle: admitted (claimed, rows reserved) → captured (ready) → in the backward →
-committed (adapter published, rows freed). An aborted step or a lost backward job releases its
-samples, so each is trained exactly once per epoch.
-"""
+"""The co-server of a real host: the policy facade (:class:`deltaserve.train.facade.BaseCoServer`)
+over the torch :class:`~deltaserve.train.trainer.Trainer` (adapter, optimizer state, activation
+buffer, the backward process and its grant, the checkpointer)."""
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from deltaserve.core.admission import AdmissionMode, AdmissionScheduler, SchedulingView
+from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import HostLimits
-from deltaserve.core.contract import StepReport
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.train.backward_driver import resolve_policy
 from deltaserve.train.config import CoServeConfig
-from deltaserve.train.events import CoServeStats, Listener
-from deltaserve.train.samples import SampleBook, buffer_capacity
-from deltaserve.train.step import CapturingStep
+from deltaserve.train.facade import BaseCoServer
+from deltaserve.train.samples import SampleBook
 from deltaserve.train.trainer import Publish, Trainer
 
+__all__ = ["CoServeConfig", "CoServer", "TorchTrainerFactory"]
 
-class CoServer:
+
+@dataclass(frozen=True)
+class TorchTrainerFactory:
+    """Builds the real trainer over ``model``'s weights, with the grant policy resolved for the
+    device the weights live on."""
+
+    model: LlamaModel
+    base_model: str
+    publish: Publish | None = None
+    validation: tuple[TrainingSample, ...] = ()  # held-out samples, validated in the backward
+
+    def __call__(self, config: CoServeConfig, book: SampleBook) -> Trainer:
+        b = resolve_policy(config.backward, self.model.weights.device.type == "cuda",
+                           torch.get_num_threads())
+        return Trainer(replace(config, backward=b), self.model, book,
+                       base_model=self.base_model, publish=self.publish,
+                       validation=self.validation)
+
+
+class CoServer(BaseCoServer):
+    trainer: Trainer
+
     def __init__(self, config: CoServeConfig, limits: HostLimits, model: LlamaModel,
                  samples: Sequence[TrainingSample], *, base_model: str,
                  latency_model: LatencyModel | None = None, publish: Publish | None = None,
                  scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
                  validation: Sequence[TrainingSample] = ()):
-        b = resolve_policy(config.backward, model.weights.device.type == "cuda",
-                           torch.get_num_threads())
-        self.config = config = replace(config, backward=b)
         self.model = model
-        self.book = SampleBook(samples, num_epochs=config.num_epochs, seed=config.seed,
-                               buffer_tokens=buffer_capacity(b.buffer_tokens, b.batch_tokens,
-                                                             limits, samples))
-        self.latency = latency_model or LatencyModel(config.latency)
-        self.scheduler = scheduler_cls(config.admission, config.slo, limits, self.latency,
-                                       self.book.pool, self.book.ledger)
-        self.trainer = Trainer(config, model, self.book, base_model=base_model, publish=publish,
-                               validation=validation)
-        self._abort = threading.Event()
-        # production counters (the service's /metrics reads them through stats())
-        self._skips: Counter[str] = Counter()
-        self._timing: Counter[str] = Counter()
+        super().__init__(config, limits, samples, TorchTrainerFactory(model, base_model, publish,
+                                                             tuple(validation)),
+                         latency_model=latency_model, scheduler_cls=scheduler_cls)
 
     @property
     def adapter(self) -> AdapterWeights:
         """The trained adapter (shared with the backward; published after every step)."""
         return self.trainer.adapter
-
-    @property
-    def backward_busy(self) -> bool:
-        return self.trainer.backward.busy
-
-    # ---- the host contract (CoServingHooks) -------------------------------------------------
-    def plan(self, view: SchedulingView) -> CapturingStep:
-        t = self.trainer
-        t.poll()
-        room = self.config.backward.batch_tokens - self.book.ready_tokens
-        plan = self.scheduler.plan(view, backward_running=t.backward.busy,
-                                   batch_room_tokens=room)
-        if plan.skip is not None:
-            self._skips[plan.skip.value] += 1
-        if plan.sample_ids:
-            self._timing["ft_tokens_admitted"] += plan.num_ft_tokens
-        rows = self.book.rows(plan, self.config.lora.dropout)
-        t.backward.before_step(plan.shape)
-        abortable = self.config.interrupt and bool(plan.sample_ids) \
-            and not plan.shape.has_inference
-        return CapturingStep(plan, rows, abortable, t.buffer, self._abort)
-
-    def observe(self, report: StepReport) -> None:
-        t = self.trainer
-        t.backward.after_step()
-        plan = report.step.plan
-        if report.aborted:
-            self.book.release(plan.sample_ids)
-            t.counts["aborted_steps"] += 1
-        else:
-            if not report.shape.is_empty:
-                predicted = self.latency.observe(report.shape, report.seconds)
-                self.scheduler.observe(report.shape, report.seconds)
-                if predicted is not None:
-                    self._timing["steps_timed"] += 1
-                    self._timing["predicted_s"] += predicted
-                    self._timing["measured_s"] += report.seconds
-            if plan.sample_ids:
-                self.book.captured(plan)
-                t.counts["steps_with_ft"] += 1
-                t.counts["ft_tokens_forwarded"] += plan.num_ft_tokens
-        self._abort.clear()
-        t.maybe_launch()
-
-    def on_arrival(self) -> None:
-        self._abort.set()
-
-    def wants_step(self) -> bool:
-        if self.trainer.has_pending:
-            return True
-        return (self.config.admission.mode is not AdmissionMode.OFF
-                and self.latency.is_calibrated and self.book.can_admit())
-
-    def idle(self, timeout_s: float) -> None:
-        self.trainer.backward.release()
-        self.trainer.poll(timeout_s)
-
-    def yield_budget_s(self, view: SchedulingView) -> float:
-        b, bw = self.config.backward, self.trainer.backward
-        if not (bw.exclusive and b.yield_to_backward and bw.busy):
-            return 0.0
-        # the backward stops at a layer boundary: keep two layers of slack
-        usable = self.scheduler.yield_budget_s(view) - 2 * bw.layer_s
-        return min(usable, b.max_yield_s) if usable >= 2 * bw.layer_s else 0.0
-
-    def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
-        given = self.trainer.backward.lend(seconds, wake)
-        self.trainer.counts["yields"] += 1
-        self.trainer.poll()
-        return given
-
-    # ---- lifecycle --------------------------------------------------------------------------
-    def poll(self, timeout_s: float = 0.0) -> None:
-        """Handle backward results now (waiting up to ``timeout_s`` for one)."""
-        self.trainer.poll(timeout_s)
-
-    def subscribe(self, listener: Listener) -> None:
-        """``listener`` receives every training event from now on, on the host's thread."""
-        self.trainer.subscribe(listener)
-
-    def drain(self, timeout_s: float = 600.0) -> None:
-        self.trainer.drain(timeout_s)
-
-    def close(self, *, drain: bool = True, checkpoint: bool = True,
-              timeout_s: float = 600.0) -> None:
-        self.trainer.close(drain=drain, checkpoint=checkpoint, timeout_s=timeout_s)
-
-    def stats(self) -> CoServeStats:
-        p, c, t = self.book.progress(), self.trainer.counts, self.trainer
-        # dict() of a Counter is one C-level copy: safe against the stepping thread's updates
-        timing = dict(self._timing)
-        return CoServeStats(p.tokens_committed_total, p.samples_committed_total,
-                            c["ft_tokens_forwarded"], t.optimizer_steps, c["steps_with_ft"],
-                            c["aborted_steps"], c["backward_failures"], c["worker_restarts"],
-                            c["io_errors"], p.epoch, t.last_loss, dict(self._skips),
-                            timing.get("ft_tokens_admitted", 0), timing.get("steps_timed", 0),
-                            timing.get("predicted_s", 0.0), timing.get("measured_s", 0.0),
-                            t.backward_busy_s)

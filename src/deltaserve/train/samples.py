@@ -25,11 +25,17 @@ from deltaserve.train.messages import JobSample
 
 class SampleBook:
     def __init__(self, samples: Sequence[TrainingSample], *, num_epochs: int | None, seed: int,
-                 buffer_tokens: int):
+                 buffer_tokens: int, pool: SamplePool | None = None):
+        """``pool``: one shared with other books (data-parallel replicas, each with its own
+        buffer); it must hold these samples. By default the book makes its own."""
         self.samples = list(samples)
         self.seed = seed
-        self.pool = SamplePool([s.num_tokens for s in self.samples], num_epochs=num_epochs,
-                               seed=seed)
+        if pool is None:
+            pool = SamplePool([s.num_tokens for s in self.samples], num_epochs=num_epochs,
+                              seed=seed)
+        require(pool.num_samples == len(self.samples), "pool", pool.num_samples,
+                f"a shared pool must hold this dataset's {len(self.samples)} samples")
+        self.pool = pool
         self.ledger = BufferLedger(buffer_tokens)
         self.fingerprint = dataset_fingerprint(self.samples)
         self._seeds: dict[int, int] = {}

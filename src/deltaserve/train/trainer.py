@@ -13,12 +13,15 @@ submitted (a :class:`ValidationLoss` follows each :class:`OptimizerStep` that sa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
 
+from deltaserve.core.admission import AdmissionPlan
+from deltaserve.core.contract import TrainingRows
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
 from deltaserve.model.llama import LlamaModel
@@ -39,6 +42,7 @@ from deltaserve.train.messages import BackwardDone, BackwardJob, EvalDone, EvalJ
 from deltaserve.train.optim import OptimizerState
 from deltaserve.train.publish import PublishGuard
 from deltaserve.train.samples import SampleBook
+from deltaserve.train.step import CapturingStep
 from deltaserve.train.worker import SharedState, WorkerSpec
 
 Publish = Callable[[AdapterWeights], None]
@@ -81,6 +85,11 @@ class Trainer:
     def has_pending(self) -> bool:
         """Samples captured or in the backward but not yet committed, or a validation owed."""
         return self.book.has_ready or self.backward.busy or self._validation_due is not None
+
+    def step(self, plan: AdmissionPlan, rows: TrainingRows, abortable: bool,
+             abort: threading.Event) -> CapturingStep:
+        """The step whose captures write the admitted rows of the activation buffer."""
+        return CapturingStep(plan, rows, abortable, self.buffer, abort)
 
     # ---- outcomes of the backward -----------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> None:

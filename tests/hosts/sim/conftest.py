@@ -4,14 +4,19 @@ where the data is absent, through the ``shared_data`` fixture)."""
 from __future__ import annotations
 
 import csv
+import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from deltaserve.core.data import TrainingSample
 from deltaserve.hosts.sim.catalogue import lookup_profile
+from deltaserve.hosts.sim.config import SimHostConfig
+from deltaserve.hosts.sim.hardware import SimHardware, gpu_hardware
 from deltaserve.hosts.sim.oracle import ProfileOracle
 from deltaserve.hosts.sim.profiles import GpuProfiles, load_profiles
+from deltaserve.model.lora import LoRAConfig
 
 COMPUTE = Path("compute/a100/meta-llama/Meta-Llama-3-8B")
 
@@ -42,3 +47,20 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 def column(rows: list[dict[str, str]], name: str) -> np.ndarray:
     return np.array([float(r[name]) for r in rows])
+
+
+@pytest.fixture(scope="session")
+def hardware(profiles: GpuProfiles) -> SimHardware:
+    """The simulated A100 running Llama-3-8B at TP1 (the paper's replica)."""
+    return gpu_hardware(SimHostConfig(), LoRAConfig(), profiles=profiles)
+
+
+def samples(n: int, seed: int = 0, low: int = 40, high: int = 300) -> list[TrainingSample]:
+    """``n`` tokenized samples of random lengths (token ids are never read by a simulation;
+    every token counts for the loss)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ids = tuple([1] * rng.randint(low, high))
+        out.append(TrainingSample(i, ids, ids))
+    return out

@@ -78,6 +78,15 @@ def time_probe(engine: LLMEngine, probe: CalibrationProbe, lora: LoRAConfig,
     """The shape a probe ran as (its mode is what the step reported) and the median seconds of
     its repeats after one warm-up run: one slow run (another process on the core) is not the
     shape."""
+    shape, times = probe_runs(engine, probe, lora, rng, adapter, scratch)
+    return shape, statistics.median(times)
+
+
+def probe_runs(engine: LLMEngine, probe: CalibrationProbe, lora: LoRAConfig,
+               rng: random.Random, adapter: AdapterWeights, scratch: torch.Tensor
+               ) -> tuple[StepShape, list[float]]:
+    """The shape a probe ran as and the seconds of each of its repeats (after one warm-up run,
+    not timed)."""
     mc = engine.model.config
     times, shape = [], None
     for r in range(probe.repeats + 1):
@@ -95,7 +104,7 @@ def time_probe(engine: LLMEngine, probe: CalibrationProbe, lora: LoRAConfig,
             if probe.shape.ft_lens:
                 shape = shape.with_ft(probe.shape.ft_lens)
     assert shape is not None
-    return shape, statistics.median(times)
+    return shape, times
 
 
 def calibrate(engine: LLMEngine, lora: LoRAConfig, config: CalibrationConfig | None = None,

@@ -12,6 +12,7 @@ head forward and backward for the loss; after them, one AdamW step over the adap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from deltaserve.core.errors import require
 from deltaserve.hosts.sim.catalogue import ModelShape
@@ -49,6 +50,18 @@ class BackwardTime:
         return self.layers_s + self.head_s + self.optimizer_s
 
 
+@runtime_checkable
+class BackwardCost(Protocol):
+    """What a simulated backward asks: a job's time by part, over ``num_layers`` layers."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def time(self, job: BackwardJob) -> BackwardTime: ...
+
+    def seconds(self, job: BackwardJob) -> float: ...
+
+
 class BackwardModel:
     """Prices backward jobs with any :class:`StepTimeOracle` and the modelled parameters."""
 
@@ -58,6 +71,10 @@ class BackwardModel:
         self.shape = shape
         self.params = params or ModelledParams()
         self.lora = lora or LoraConfig()
+
+    @property
+    def num_layers(self) -> int:
+        return self.oracle.num_layers
 
     def _forward_batch(self, job: BackwardJob) -> SimBatch:
         # the recompute is the training rows' own eager forward; its capture copy is not redone,

@@ -26,6 +26,16 @@ class ModelShape:
     vocab: int
     num_q_heads: int
     num_kv_heads: int
+    max_context: int  # max_position_embeddings
+
+    @property
+    def num_params(self) -> int:
+        """Weights: embedding and LM head (untied), per layer the attention and MLP projections
+        and two norms, and the final norm."""
+        kv = self.num_kv_heads * self.head_dim
+        layer = (2 * self.hidden * self.hidden + 2 * self.hidden * kv
+                 + 3 * self.hidden * self.ffn + 2 * self.hidden)
+        return 2 * self.vocab * self.hidden + self.num_layers * layer + self.hidden
 
     @property
     def head_dim(self) -> int:
@@ -53,6 +63,7 @@ class ProfileEntry:
     tp_degrees: tuple[int, ...]
     attention_tp_measured: tuple[int, ...]
     networks: tuple[str, ...]
+    gpu_memory_bytes: int
 
     @property
     def default_network(self) -> str:
@@ -60,9 +71,10 @@ class ProfileEntry:
 
 
 # Meta-Llama-3-8B's config.json: 32 layers, hidden 4096, intermediate 14336, vocab 128256,
-# 32 query heads, 8 KV heads. The profile CSVs carry the same shape columns (checked on load).
+# 32 query heads, 8 KV heads, 8,192 positions (8.03 B parameters). The profile CSVs carry the
+# same shape columns (checked on load).
 LLAMA_3_8B = ModelShape(num_layers=32, hidden=4096, ffn=14336, vocab=128256, num_q_heads=32,
-                        num_kv_heads=8)
+                        num_kv_heads=8, max_context=8192)
 
 # a100_pairwise_nvlink first: it is Vidur's default network for its A100 SKU (a node of 4 A100s
 # bridged by NVLink in pairs, where the compute profiles were taken); a100_dgx (NVSwitch) is the
@@ -73,7 +85,9 @@ CATALOGUE: dict[tuple[str, str], ProfileEntry] = {
         gpu="a100", model="llama-3-8b",
         compute_subdir="compute/a100/meta-llama/Meta-Llama-3-8B",
         shape=LLAMA_3_8B, tp_degrees=(1, 2, 4), attention_tp_measured=(1, 4),
-        networks=("a100_pairwise_nvlink", "a100_dgx")),
+        networks=("a100_pairwise_nvlink", "a100_dgx"),
+        # Vidur's A100 SKU is the 80 GB part (the profiles' HBM bandwidth agrees: docs/sim.md)
+        gpu_memory_bytes=80 * 2**30),
 }
 
 
@@ -90,32 +104,34 @@ def lookup_profile(gpu: str, model: str) -> ProfileEntry:
     return entry
 
 
-def _beside_checkout() -> Path:
-    # src/deltaserve/hosts/sim/catalogue.py -> the checkout root is parents[4]
-    return Path(__file__).resolve().parents[4].parent / "shared" / "data" / "vidur"
-
-
-def vidur_dir_candidates() -> list[Path]:
-    """Where the data is looked for when no directory is given, in order."""
+def shared_data_candidates() -> list[Path]:
+    """Where the shared data is looked for, in order: ``$DELTASERVE_SHARED_DATA``,
+    ``../shared/data`` beside the checkout, ``/work/shared/data``."""
     env = os.environ.get(DATA_DIR_ENV)
-    found = [Path(env) / "vidur"] if env else []
-    return [*found, _beside_checkout(), Path("/work/shared/data/vidur")]
+    # src/deltaserve/hosts/sim/catalogue.py -> the checkout root is parents[4]
+    beside = Path(__file__).resolve().parents[4].parent / "shared" / "data"
+    return [*([Path(env)] if env else []), beside, Path("/work/shared/data")]
+
+
+def resolve_shared(relative: str, field: str, explicit: str | Path | None = None) -> Path:
+    """A file or directory of the shared data: ``explicit`` if given (it must exist), else
+    ``relative`` under the first candidate that has it (:func:`shared_data_candidates`)."""
+    if explicit is not None:
+        path = Path(explicit)
+        if not path.exists():
+            raise InputError(field, str(path), "does not exist")
+        return path
+    candidates = [root / relative for root in shared_data_candidates()]
+    for path in candidates:
+        if path.exists():
+            return path
+    raise InputError(field, None, f"not found; looked in {', '.join(map(str, candidates))} "
+                     f"(pass a path or set ${DATA_DIR_ENV})")
 
 
 def resolve_vidur_dir(explicit: str | Path | None = None) -> Path:
-    """The Vidur data directory: ``explicit`` if given (it must exist), else the first existing of
-    ``$DELTASERVE_SHARED_DATA/vidur``, ``../shared/data/vidur`` beside the checkout and
-    ``/work/shared/data/vidur``."""
-    if explicit is not None:
-        path = Path(explicit)
-        if not path.is_dir():
-            raise InputError("vidur_data_dir", str(path), "is not a directory")
-        return path
-    candidates = vidur_dir_candidates()
-    for path in candidates:
-        if path.is_dir():
-            return path
-    raise InputError("vidur_data_dir", None,
-                     "no Vidur profile directory found; looked in "
-                     + ", ".join(map(str, candidates))
-                     + f" (pass a directory or set ${DATA_DIR_ENV})")
+    """The Vidur profile directory (``vidur`` under the shared data unless given)."""
+    path = resolve_shared("vidur", "vidur_data_dir", explicit)
+    if not path.is_dir():
+        raise InputError("vidur_data_dir", str(path), "is not a directory")
+    return path

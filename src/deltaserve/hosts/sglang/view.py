@@ -105,7 +105,7 @@ def proposed_view(sched: Any, running_batch: Any, last_batch: Any, clock: Client
     for r in pending:  # FCFS: a request's first token waits for the prompts ahead of it
         if r.rid not in clock or r.output_ids:
             continue
-        done = max(r.prefix_len, r.extend_end) if r is sched.chunked_req else 0
+        done = max(r.prefix_len, r.extend_end) if r is sched.chunked_req else r.prefix_len
         ahead += len(r.full_untruncated_fill_ids) - done - scheduled.get(id(r), 0)
         waiting.append(WaitingRequest(clock.arrival_s[r.rid], max(0, ahead)))
     last = [clock.last_token_s[r.rid] for r in decoding if r.rid in clock.last_token_s]

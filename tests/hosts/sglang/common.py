@@ -18,7 +18,7 @@ PROMPTS = [[1, 504, 3575, 282, 4649, 314], [1, 1004, 2493, 416, 253, 655, 28],
            [1, 378, 3255, 282, 1015, 5264, 30, 378]]
 SMALL_CAL = CalibrationConfig(decode_batches=(1, 2, 4, 8), decode_kv_lens=(16, 64, 128),
                               ft_totals=(32, 64, 128), repeats=2, split_total=128, max_split=4,
-                              chunk_prefixes=(64,))
+                              chunk_prefixes=(64, 300))  # 300: a prefix longer than a step
 
 
 def coserve(host, latency, data, *, batch_tokens=64, slo=SLOConfig(30.0, 30.0), **kw):

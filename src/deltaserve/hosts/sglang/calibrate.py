@@ -107,8 +107,11 @@ class _Prober:
         return report
 
     def _finish(self) -> None:
+        idle = 0
         while self.sched.deltaserve_has_unfinished():
-            self.sched.deltaserve_step()
+            idle = 0 if self.sched.deltaserve_step() else idle + 1
+            if idle > 100:  # SGLang holds requests it cannot schedule: a probe too large
+                raise RuntimeError("calibration: SGLang cannot run a probe's requests")
 
     def time(self, probe: CalibrationProbe) -> tuple[StepShape, float]:
         """The shape a probe ran as and the median seconds of its timed repeats."""

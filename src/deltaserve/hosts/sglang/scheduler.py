@@ -17,8 +17,8 @@ this class (``HookRegistry`` ``REPLACE``). Per step, through overrides of ``Sche
 3. ``handle_generate_request``: a client's arrival time, and ``co.on_arrival()``.
 
 Hidden requests never reach a client: ``get_output_streamer_class`` returns a streamer that
-drops them, and ``get_prefill_adder_class`` an adder that never chunks one (a sample is
-prefilled whole in one step or not at all). Supports the normal (non-overlapped) event loop
+drops them, and ``get_prefill_adder_class`` an adder that never chunks a training request (a
+sample is prefilled whole in one step or not at all). Supports the normal (non-overlapped) event loop
 only: with the overlap schedule the next batch is prepared while the previous forward runs.
 """
 
@@ -38,6 +38,7 @@ import torch
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 from sglang.srt.managers.scheduler import Scheduler
 
+from deltaserve.core.calibration import Batching, HostLimits
 from deltaserve.core.contract import CoServingHooks, StepReport, TrainingStep
 from deltaserve.core.errors import InputError
 from deltaserve.core.shape import StepShape
@@ -62,13 +63,13 @@ class _Planned:
     rids: tuple[str, ...]
 
 
-def _adder_class(hidden: HiddenRequests) -> type[PrefillAdder]:
+def _adder_class(whole: set[str]) -> type[PrefillAdder]:
     class WholeSampleAdder(PrefillAdder):
-        """SGLang's prefill adder, except that a hidden request that does not fit the step's
-        remaining token budget whole is not taken (SGLang would chunk it)."""
+        """SGLang's prefill adder, except that a training request (``whole``) that does not fit
+        the step's remaining token budget whole is not taken (SGLang would chunk it)."""
 
         def add_one_req(self, req: Any, has_chunked_req: bool, truncation_align_size: Any):
-            if req.rid in hidden:
+            if req.rid in whole:
                 n = self.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - req.prefix_len)
                 chunk = self.rem_chunk_tokens
                 if n > self.rem_input_tokens or (chunk is not None and n > chunk):
@@ -83,6 +84,7 @@ class CoServingScheduler(Scheduler):
         check_version(str(sglang.__version__))
         # needed while Scheduler.__init__ builds its output streamer
         self.deltaserve_hidden = HiddenRequests(self)
+        self._whole: set[str] = set()  # the training requests of the step being built
         super().__init__(*args, **kwargs)
         if self.enable_overlap:
             raise InputError("disable_overlap_schedule", False, "DeltaServe observes each step "
@@ -105,7 +107,7 @@ class CoServingScheduler(Scheduler):
         return streamer_class(self.deltaserve_hidden)
 
     def get_prefill_adder_class(self) -> type[PrefillAdder]:
-        return _adder_class(self.deltaserve_hidden)
+        return _adder_class(self._whole)
 
     # ---- clients ----------------------------------------------------------------------------
     def deltaserve_submit(self, recv_req: Any, arrival_s: float) -> None:
@@ -146,9 +148,11 @@ class CoServingScheduler(Scheduler):
         lora_id = self.deltaserve_train_lora_id
         rids = tuple(self.deltaserve_hidden.add(ids, lora_id=lora_id)
                      for ids in step.rows.token_ids)
+        self._whole.update(rids)
         try:
             plan = super().get_next_batch_to_run(running_batch, last_batch)
         finally:
+            self._whole.clear()
             self.deltaserve_hidden.withdraw(rids)  # those SGLang did not take
         if plan.batch_to_run is None:
             co.observe(StepReport(step, StepShape(), 0.0, aborted=bool(rids), layers_run=0))
@@ -222,6 +226,13 @@ class CoServingScheduler(Scheduler):
             self.on_idle()
         self.last_batch = batch
         return bool(batch)
+
+    def deltaserve_limits(self) -> HostLimits:
+        """What one step can hold, as SGLang sized it (its KV cache may be smaller than asked
+        for). SGLang runs a prefill step or a decode step, never both (no mixed chunks)."""
+        return HostLimits(min(self.chunked_prefill_size, self.max_prefill_tokens),
+                          self.max_running_requests, self.max_req_input_len,
+                          self.max_total_num_tokens, Batching.PHASE_SEPARATED)
 
     def deltaserve_has_unfinished(self) -> bool:
         """Whether any request, client or hidden, is still waiting or running."""

@@ -4,6 +4,7 @@
     deltaserve bench [--trace burst-light] [--systems a,b] [--duration S] ...
     deltaserve calibrate --out latency_model.json [--model smollm2] [--host native]
     deltaserve serve --engine vllm MODEL --finetune-dataset PATH ...
+    deltaserve serve --engine sglang --model-path MODEL --finetune-dataset PATH ...
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     add_dataclass_flags(cal, HostConfig)
     add_dataclass_flags(cal, LoRAConfig, prefix="lora-")
     serve = sub.add_parser("serve", help="serve the OpenAI API with co-serving on")
-    serve.add_argument("--engine", choices=("vllm",), default="vllm")
+    serve.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     serve.add_argument("rest", nargs=argparse.REMAINDER,
-                       help="MODEL --finetune-dataset PATH [co-serving and vLLM flags]")
+                       help="MODEL --finetune-dataset PATH [co-serving and the engine's flags]")
     return parser
 
 
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             run_bench(from_args(BenchConfig, ns))
         elif ns.command == "calibrate":
             _calibrate(ns)
+        elif ns.command == "serve" and ns.engine == "sglang":
+            from deltaserve.hosts.sglang.serve import main as sglang_serve
+
+            return sglang_serve(ns.rest)
         elif ns.command == "serve":
             from deltaserve.hosts.vllm.serve import main as serve_main
 

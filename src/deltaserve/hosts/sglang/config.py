@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from deltaserve.core.calibration import Batching, HostLimits
 from deltaserve.core.errors import require
 from deltaserve.hosts.config import HostConfig
 from deltaserve.model.lora import ALL_MODULES, LoRAConfig
@@ -48,11 +47,6 @@ class SGLangConfig(HostConfig):
                 "must be >= 2 (the training adapter and a client's)")
         bad = [m for m in self.lora_target_modules if m not in ALL_MODULES]
         require(not bad, "lora_target_modules", bad, f"choose from {', '.join(ALL_MODULES)}")
-
-    def limits(self, model_len: int) -> HostLimits:
-        """SGLang runs a prefill step or a decode step, never both (no mixed chunks)."""
-        return HostLimits(self.max_num_batched_tokens, self.max_num_seqs, model_len,
-                          self.kv_cache_tokens, Batching.PHASE_SEPARATED)
 
     def server_args(self, model_path: str, dtype: str, model_len: int) -> Any:
         """SGLang's ``ServerArgs`` for this config (``dtype`` resolved, e.g. ``float32``)."""

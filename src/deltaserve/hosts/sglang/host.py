@@ -58,7 +58,7 @@ class SGLangHost(BaseHost):
         self.runtime = InProcessRuntime(config.server_args(str(path), dtype, model_len))
         self.scheduler = self.runtime.scheduler
         self.training = SchedulerTrainingHost(self.scheduler, path, model_config,
-                                              self.tokenizer, config.limits(model_len))
+                                              self.tokenizer, self.scheduler.deltaserve_limits())
         self.scheduler.deltaserve_listener = self._record
         self.scheduler.deltaserve_wake = self._wake  # an arrival ends a yield early
         self._lora_ids: dict[str, str] = {}

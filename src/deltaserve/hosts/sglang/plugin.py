@@ -15,7 +15,8 @@ SGLang's processes inherit it). Then it:
 * replaces SGLang's ``Scheduler`` with
   :class:`~deltaserve.hosts.sglang.scheduler.CoServingScheduler` (a ``REPLACE`` hook on the
   class, the form ``hook_registry.py`` documents for scheduler subclasses), so the scheduler
-  process SGLang spawns runs DeltaServe's subclass.
+  process SGLang spawns runs DeltaServe's subclass (under ``deltaserve serve --engine sglang``,
+  :class:`~deltaserve.hosts.sglang.serving.ServingScheduler`, which co-serves from the start).
 
 A plain SGLang run in the same environment is untouched: no shim, no subclass (on a machine
 without CUDA its LoRA then fails as it does without DeltaServe; ``DELTASERVE_SGLANG=1`` opts in).
@@ -27,7 +28,7 @@ import logging
 import os
 
 from deltaserve.hosts.sglang.compat import register_pin_memory_shim
-from deltaserve.hosts.sglang.version import ACTIVE_ENV, check_version
+from deltaserve.hosts.sglang.version import ACTIVE_ENV, SERVE_ENV, check_version
 
 logger = logging.getLogger("deltaserve.sglang")
 
@@ -42,7 +43,10 @@ def register() -> None:
 
     check_version(str(sglang.__version__))
     register_pin_memory_shim()
-    from deltaserve.hosts.sglang.scheduler import CoServingScheduler
+    if os.environ.get(SERVE_ENV):  # `deltaserve serve --engine sglang`: co-serving from start
+        from deltaserve.hosts.sglang.serving import ServingScheduler as scheduler_cls
+    else:
+        from deltaserve.hosts.sglang.scheduler import CoServingScheduler as scheduler_cls
 
-    HookRegistry.register(SCHEDULER_TARGET, CoServingScheduler, HookType.REPLACE)
+    HookRegistry.register(SCHEDULER_TARGET, scheduler_cls, HookType.REPLACE)
     logger.debug("DeltaServe SGLang plugin: SGLang %s, pid %d", sglang.__version__, os.getpid())

@@ -18,8 +18,9 @@ this class (``HookRegistry`` ``REPLACE``). Per step, through overrides of ``Sche
 
 Hidden requests never reach a client: ``get_output_streamer_class`` returns a streamer that
 drops them, and ``get_prefill_adder_class`` an adder that never chunks a training request (a
-sample is prefilled whole in one step or not at all). Supports the normal (non-overlapped) event loop
-only: with the overlap schedule the next batch is prepared while the previous forward runs.
+sample is prefilled whole in one step or not at all). Supports the normal (non-overlapped)
+event loop only: with the overlap schedule the next batch is prepared while the previous
+forward runs.
 """
 
 from __future__ import annotations

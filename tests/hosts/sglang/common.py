@@ -1,15 +1,60 @@
-"""Shared by the SGLang host's engine tests: the LoRA config, prompts and the transformers + PEFT
-reference."""
+"""Shared by the SGLang host's engine tests: the LoRA config, prompts, co-serving helpers and
+the transformers + PEFT reference."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
-from deltaserve.model.lora import AdapterWeights, LoRAConfig
+from deltaserve.core.calibration import CalibrationConfig
+from deltaserve.core.slo import SLOConfig
+from deltaserve.model.lora import ALL_MODULES, AdapterWeights, LoRAConfig
+from deltaserve.train.config import BackwardConfig
 
-LORA = LoRAConfig(r=8, alpha=16, dropout=0.0)
+LORA = LoRAConfig(r=8, alpha=16, dropout=0.0, target_modules=ALL_MODULES)
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], [1, 1004, 2493, 416, 253, 655, 28],
            [1, 378, 3255, 282, 1015, 5264, 30, 378]]
+SMALL_CAL = CalibrationConfig(decode_batches=(1, 2, 4, 8), decode_kv_lens=(16, 64, 128),
+                              ft_totals=(32, 64, 128), repeats=2, split_total=128, max_split=4,
+                              chunk_prefixes=(64, 300))  # 300: a prefix longer than a step
+
+
+def coserve(host, latency, data, *, batch_tokens=64, slo=SLOConfig(30.0, 30.0), **kw):
+    """A co-server on ``host``: one backward thread (see conftest), generous SLOs."""
+    return host.attach(dataset=data, slo=slo, latency_model=latency, progress=False, lora=LORA,
+                       backward=BackwardConfig(batch_tokens=batch_tokens, threads=1), **kw)
+
+
+def replay(host, prompts, params, gap_s=0.05):
+    """Open loop: requests at fixed intervals while the host's loop runs in a thread."""
+    stop = threading.Event()
+    loop = threading.Thread(target=host.run_loop, args=(stop,), daemon=True)
+    loop.start()
+    ids = []
+    try:
+        for p in prompts:
+            ids.append(host.add_request(p, params))
+            time.sleep(gap_s)
+        deadline = time.monotonic() + 600
+        while host.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        loop.join()
+    return [host.pop_finished(i) for i in ids]
+
+
+def finish_epoch(host, co, timeout_s=600.0) -> None:
+    """Step (training-only steps when idle) until the epoch is committed."""
+    deadline = time.monotonic() + timeout_s
+    while not co.book.progress().finished and time.monotonic() < deadline:
+        if not host.step():
+            co.idle(timeout_s=0.05)
+            if not co.backward_busy:
+                co.drain()
+    assert co.book.progress().finished, co.book.progress()
 
 
 def random_adapter(model_config, seed: int, scale: float = 0.05) -> AdapterWeights:
@@ -22,7 +67,6 @@ def random_adapter(model_config, seed: int, scale: float = 0.05) -> AdapterWeigh
     return ad
 
 
-
 def peft_model(path, adapter: AdapterWeights):
     """A fresh transformers SmolLM2 (fp32) wrapped by PEFT with ``adapter``'s weights: the
     independent reference."""
@@ -30,8 +74,9 @@ def peft_model(path, adapter: AdapterWeights):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    pm = get_peft_model(base, LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0,
-                                             target_modules=list(LORA.target_modules)))
+    cfg = adapter.config
+    pm = get_peft_model(base, LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=0.0,
+                                         target_modules=list(cfg.target_modules)))
     named = dict(pm.named_parameters())
     with torch.no_grad():
         for key, value in adapter.to_peft_state_dict().items():

@@ -1,7 +1,8 @@
-"""One in-process SGLang engine (SmolLM2-135M, fp32, CPU) shared by the SGLang host's engine
-tests, with two adapters: ``a1`` (a fixed random PEFT adapter, never changed) and ``train``
-(the reserved training slot; tests publish into it). SGLang's runtime context is process-global,
-so the session builds one engine and every test uses it."""
+"""One in-process SGLang host (SmolLM2-135M, fp32, CPU) shared by the SGLang host's engine
+tests, and one calibration of it. SGLang's parallel runtime is process-global, so the session
+builds one host and every test uses it (attaching and detaching co-servers in turn). Torch runs
+one thread: on a 2-core machine shared with other work, OpenMP threads that spin-wait on a busy
+core make every step orders of magnitude slower (these tests assert behaviour, never speed)."""
 
 from __future__ import annotations
 
@@ -10,44 +11,33 @@ import importlib.util
 import pytest
 import torch
 
-from deltaserve.model.lora import AdapterWeights
-from tests.hosts.sglang.common import LORA, random_adapter
+from tests.hosts.sglang.common import LORA, SMALL_CAL
+
+NEEDS_SGLANG = "needs the SGLang venv (.venv-sglang: bash scripts/bootstrap.sh --sglang)"
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    from deltaserve.model.loading import read_config, resolve_model
-
-    path = resolve_model("smollm2")
-    return path, read_config(path)
-
-
-@pytest.fixture(scope="session")
-def adapter_a1(smollm2):
-    return random_adapter(smollm2[1], seed=1)
-
-
-@pytest.fixture(scope="session")
-def engine(smollm2, adapter_a1, tmp_path_factory):
+def host():
     if importlib.util.find_spec("sglang") is None:
-        pytest.skip("needs the SGLang venv (.venv-sglang: bash scripts/bootstrap.sh --sglang)")
-    from deltaserve.hosts.sglang.engine import EngineConfig, InProcessEngine
-    from deltaserve.model.peft_io import save_adapter
+        pytest.skip(NEEDS_SGLANG)
+    from deltaserve.hosts.registry import create_host
+    from deltaserve.hosts.sglang.config import SGLangConfig
 
-    path, cfg = smollm2
-    root = tmp_path_factory.mktemp("adapters")
-    a1 = save_adapter(root / "a1", adapter_a1, str(path))
-    train = save_adapter(root / "train", AdapterWeights(cfg, LORA).init_peft_(0), str(path))
-    eng = InProcessEngine(EngineConfig(model_path=str(path),
-                                       lora_paths=(("a1", str(a1)), ("train", str(train)))))
-    yield eng
-    eng.close()
+    h = create_host("sglang", SGLangConfig(max_num_batched_tokens=256, max_num_seqs=16,
+                                           max_model_len=512, kv_cache_tokens=8192,
+                                           dtype="float32", num_threads=1))
+    yield h
+    h.close()
 
 
 @pytest.fixture(scope="session")
-def hf_model(smollm2):
+def latency(host):
+    """One calibration through SGLang's scheduler and forward, shared by the session."""
+    return host.calibrate(LORA, SMALL_CAL, None, seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_model(host):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smollm2[0], dtype=torch.float32).eval()
-
-
+    return AutoModelForCausalLM.from_pretrained(host.model_path, dtype=torch.float32).eval()

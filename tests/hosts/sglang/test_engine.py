@@ -1,163 +1,73 @@
-"""The SGLang host's engine pieces on a real in-process SGLang (SmolLM2-135M, fp32, CPU),
-checked against transformers + PEFT."""
+"""The SGLang host as an inference engine (SmolLM2-135M, fp32, CPU), against transformers + PEFT:
+greedy outputs with and without a client adapter, and every step reported with its shape."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("sglang", reason="needs the SGLang venv (.venv-sglang: bash "
                     "scripts/bootstrap.sh --sglang)")
 
-from deltaserve.core.shape import ExecMode
-from tests.hosts.sglang.common import (
-    LORA,
-    PROMPTS,
-    hf_greedy,
-    peft_model,
-    random_adapter,
-)
+from deltaserve.core.errors import InputError
+from deltaserve.core.requests import SamplingParams
+from deltaserve.core.shape import ExecMode, StepShape
+from deltaserve.model.peft_io import save_adapter
+from tests.hosts.sglang.common import PROMPTS, hf_greedy, peft_model, random_adapter
+from tests.hosts.spies import StepLog
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
-NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=8)
 
 
-class Recorder:
-    """A capture target: each layer's rows, as the co-server's buffer would receive them."""
-
-    def __init__(self):
-        self.layers: dict[int, torch.Tensor] = {}
-
-    def __call__(self, layer: int, rows: torch.Tensor) -> None:
-        assert layer not in self.layers, "a layer captured twice in one forward"
-        self.layers[layer] = rows.clone()
+def tokens(outs):
+    return [list(o.output_token_ids) for o in outs]
 
 
-def _train(engine, samples, **kwargs):
-    sched = engine.scheduler
-    rec = Recorder()
-    rows = sched.deltaserve_add_training(samples, sched.deltaserve_lora_id("train"), rec,
-                                         **kwargs)
-    return rows, rec
-
-
-class Streamed:
-    """Every request id the engine's output messages carry (what would reach clients)."""
-
-    def __init__(self, engine):
-        self.ids: list[str] = []
-        engine.on_output = self.ids.append
-
-
-class Steps:
-    """Every step the scheduler reports."""
-
-    def __init__(self, engine):
-        self.all: list = []
-        engine.scheduler.deltaserve_on_step = self.all.append
-
-
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm())
-
-
-def test_greedy_with_and_without_adapter_equals_transformers_and_peft(engine, smollm2, hf_model,
-                                                                      adapter_a1):
-    base = engine.generate(PROMPTS, NEW_TOKENS)
-    lora = engine.generate(PROMPTS, NEW_TOKENS, lora_name="a1")
-    assert base == [hf_greedy(hf_model, p, NEW_TOKENS) for p in PROMPTS]
-    ref = peft_model(smollm2[0], adapter_a1)
-    assert lora == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+def test_greedy_with_and_without_a_client_adapter_equals_transformers_and_peft(
+        host, hf_model, tmp_path):
+    weights = random_adapter(host.model_config, seed=1)
+    host.add_lora("a1", str(save_adapter(tmp_path / "a1", weights, host.model_path)))
+    try:
+        base = tokens(host.generate(PROMPTS, GREEDY))
+        lora = tokens(host.generate(PROMPTS, GREEDY, adapter="a1"))
+    finally:
+        host.remove_lora("a1")
+    assert base == [hf_greedy(hf_model, p, 8) for p in PROMPTS]
+    ref = peft_model(host.model_path, weights)
+    assert lora == [hf_greedy(ref, p, 8) for p in PROMPTS]
     assert lora != base  # the adapter is live
 
 
-def test_publish_lands_in_the_slot_and_greedy_equals_peft(engine, smollm2):
-    sched = engine.scheduler
-    publisher = sched.deltaserve_publisher("train")
-    weights = random_adapter(smollm2[1], seed=5)
-    publisher.publish(weights)
-    assert torch.equal(publisher.read(smollm2[1], LORA).flat, weights.flat)
-    got = engine.generate(PROMPTS, NEW_TOKENS, lora_name="train")
-    ref = peft_model(smollm2[0], weights)
-    assert got == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
-    # the host copy SGLang re-slots from after an eviction holds the same weights
-    host = sched.tp_worker.model_runner.lora_manager.loras[publisher.lora_id]
-    key = "base_model.model.model.layers.7.self_attn.qkv_proj.lora_B.weight"
-    want = torch.cat([weights.b(7, p) for p in ("q_proj", "k_proj", "v_proj")])
-    assert torch.equal(host.layers[7].weights[key], want)
+def test_adapters_sglang_cannot_hold_and_reserved_names_are_refused(host, tmp_path):
+    from dataclasses import replace
+
+    from deltaserve.model.lora import AdapterWeights
+
+    big = AdapterWeights(host.model_config, replace(random_adapter(host.model_config, 0).config,
+                                                    r=host.config.max_lora_rank * 2))
+    with pytest.raises(InputError, match="max_lora_rank"):
+        host.add_lora("big", str(save_adapter(tmp_path / "big", big, host.model_path)))
+    with pytest.raises(InputError, match="reserved"):
+        host.add_lora("deltaserve-train", str(tmp_path / "big"))
+    assert host.lora_names() == []
 
 
-def test_capture_equals_transformers_hidden_states_and_stays_hidden(engine, smollm2):
-    weights = random_adapter(smollm2[1], seed=7)
-    engine.scheduler.deltaserve_publisher("train").publish(weights)
-    first = [*PROMPTS[2], 2783, 314]
-    samples = [first, PROMPTS[0]]
-    streamed = Streamed(engine)
-    rows, rec = _train(engine, samples)
-    engine.run_until_idle()
-    assert rows.valid and rows.aborted_at is None
-    assert sorted(rec.layers) == list(range(smollm2[1].num_layers))
-    ref = peft_model(smollm2[0], weights)
-    offset = 0
-    for sample in samples:
-        with torch.no_grad():
-            hs = ref(torch.tensor([sample]), output_hidden_states=True).hidden_states
-        for layer, got in rec.layers.items():
-            part = got[offset: offset + len(sample)]
-            assert _relative(part, hs[layer][0]) < 1e-4, (layer, _relative(part, hs[layer][0]))
-        offset += len(sample)
-    # the sample is prefilled whole even right after a sample it shares a prefix with
-    rows2, rec2 = _train(engine, [[*first, 28, 30]])
-    engine.run_until_idle()
-    assert rows2.valid and rec2.layers[0].shape[0] == len(first) + 2
-    assert streamed.ids == []  # nothing went towards a client
-    assert engine.scheduler.deltaserve_hidden.ids == set()  # finished and forgotten
-
-
-def test_hidden_requests_beside_a_client_change_nothing_it_sees(engine, hf_model):
-    sched = engine.scheduler
-    streamed = Streamed(engine)
-    client = engine.add_request(PROMPTS[1], max_new_tokens=NEW_TOKENS)
-    rows, rec = _train(engine, [PROMPTS[0], PROMPTS[2]])
-    engine.step()  # one prefill batch: the client's prompt and both samples
-    assert rows.valid and not rows.abortable  # a mixed step is never cut short
-    assert rec.layers[0].shape[0] == len(PROMPTS[0]) + len(PROMPTS[2])
-    engine.run_until_idle()
-    out = engine.take(client)
-    assert out == hf_greedy(hf_model, PROMPTS[1], NEW_TOKENS)
-    assert set(streamed.ids) == {client}
-    assert not sched.deltaserve_hidden.live()
-
-
-def test_every_forward_is_timed_with_its_mode_and_shape(engine):
-    recorded = Steps(engine)
+def test_every_step_is_reported_with_the_shape_sglang_ran(host):
+    log = StepLog(host)
     fresh = [[4211, 17, 905, 63], [77, 3120, 8, 16, 5000]]  # no cached prefix, BOS included
-    engine.generate(fresh, 2)
-    steps = recorded.all
-    assert [s.forward_mode for s in steps] == ["EXTEND", "DECODE"]
-    assert [s.num_tokens for s in steps] == [len(fresh[0]) + len(fresh[1]), 2]
-    for s in steps:
-        assert s.forward is not None and s.forward.mode is ExecMode.EAGER
-        assert s.forward.num_tokens == s.num_tokens and s.forward.layers_run == 30
-        assert 0 < s.forward.seconds <= s.seconds
+    host.generate(fresh, SamplingParams(max_tokens=3, ignore_eos=True))
+    shapes = [r.shape for r in log.records]
+    assert shapes == [StepShape((4, 5)), StepShape(num_decode=2, kv_tokens=4 + 5),
+                      StepShape(num_decode=2, kv_tokens=5 + 6)]
+    assert all(r.seconds > 0 and r.ft_tokens == 0 and not r.aborted for r in log.records)
+    assert all(s.mode is ExecMode.EAGER for s in shapes)
 
 
-def test_training_only_step_is_cut_at_a_layer_boundary_and_serving_goes_on(engine, hf_model):
-    asked: list[int] = []
-
-    def should_abort() -> bool:  # the co-server's flag, raised once 5 layers ran
-        asked.append(len(rec.layers))
-        return len(rec.layers) >= 5
-
-    rows, rec = _train(engine, [PROMPTS[0], PROMPTS[1]], should_abort=should_abort)
-    engine.run_until_idle()
-    assert rows.abortable and rows.aborted_at == 5
-    assert sorted(rec.layers) == [0, 1, 2, 3, 4]
-    step = engine.scheduler.deltaserve_last_step
-    assert step.forward.aborted and step.forward.layers_run == 5
-    assert asked == [0, 1, 2, 3, 4, 5]  # asked once per layer boundary, none after
-    rows0, rec0 = _train(engine, [PROMPTS[2]], should_abort=lambda: True)  # before layer 0
-    engine.run_until_idle()
-    assert rows0.aborted_at == 0 and rec0.layers == {}
-    assert engine.generate([PROMPTS[2]], NEW_TOKENS) == [hf_greedy(hf_model, PROMPTS[2],
-                                                                   NEW_TOKENS)]
+def test_a_cached_prefix_is_reported_as_such(host):
+    log = StepLog(host)
+    prompt = [1, 9001, 4452, 77, 3004, 18, 221, 93]
+    host.generate([prompt], SamplingParams(max_tokens=1))
+    host.generate([[*prompt, 55, 66]], SamplingParams(max_tokens=1))
+    last = log.records[-1].shape  # SGLang's radix cache holds the first prompt
+    assert last.prefill_prefix_lens and last.prefill_prefix_lens[0] >= len(prompt) - 1
+    assert last.num_prefill_tokens + last.prefill_prefix_lens[0] == len(prompt) + 2

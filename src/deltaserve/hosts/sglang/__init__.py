@@ -5,10 +5,11 @@ extension points (see ``docs/sglang.md``).
   ``pin_memory`` shim (:mod:`.compat`) where no CUDA device exists, and DeltaServe's scheduler
   subclass when DeltaServe drives SGLang.
 * :class:`~deltaserve.hosts.sglang.scheduler.CoServingScheduler`: SGLang's ``Scheduler`` with
-  hidden requests (training samples as prefill-only requests on the reserved adapter, never
-  streamed to a client) and DeltaServe's forward hooks on its model runner.
-* :class:`~deltaserve.hosts.sglang.engine.InProcessEngine`: that scheduler and its model runner
-  built in the caller's process and stepped one batch at a time.
+  the co-server's step protocol inside it (plan, hidden training requests, capture, interrupt,
+  one report per step).
+* :class:`~deltaserve.hosts.sglang.host.SGLangHost`: that scheduler and its model runner built
+  in the caller's process, as a :class:`~deltaserve.hosts.base.BaseHost` (``create_host
+  ("sglang")``); :mod:`.serve`: SGLang's own OpenAI server with co-serving on.
 
 Importing this package imports neither SGLang nor torch; its names load on first use.
 """
@@ -19,8 +20,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "InProcessEngine": "deltaserve.hosts.sglang.engine",
-    "EngineConfig": "deltaserve.hosts.sglang.engine",
+    "SGLangHost": "deltaserve.hosts.sglang.host",
+    "SGLangConfig": "deltaserve.hosts.sglang.config",
     "import_sglang": "deltaserve.hosts.sglang.version",
     "SUPPORTED_VERSIONS": "deltaserve.hosts.sglang.version",
     "UnsupportedSGLangVersion": "deltaserve.hosts.sglang.version",

@@ -19,8 +19,9 @@ LoRA manager and its layers, preparing each batch's LoRA indices, loading, unloa
 re-slotting adapters), entered by an ``AROUND`` hook registered in SGLang's own
 ``HookRegistry`` (``sglang/srt/plugins/hook_registry.py``) by DeltaServe's ``sglang.srt.plugins``
 entry point (:mod:`deltaserve.hosts.sglang.plugin`), so no SGLang file changes, and nothing
-outside those calls is intercepted. It is registered only when ``torch.cuda.is_available()`` is
-False: with a CUDA device SGLang runs untouched. When it is registered it says so once in the
+outside those calls is intercepted. It is registered only when DeltaServe drives SGLang (the
+plugin is inert otherwise) and ``torch.cuda.is_available()`` is False: with a CUDA device
+SGLang runs untouched. When it is registered it says so once in the
 log (logger ``deltaserve.sglang``, level WARNING), so a CPU run shows it. Setting
 ``DELTASERVE_SGLANG_PIN_SHIM=0`` turns it off (SGLang's LoRA then fails on a CUDA-less machine
 as it does without DeltaServe).

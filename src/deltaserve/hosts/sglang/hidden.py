@@ -26,6 +26,7 @@ from typing import Any
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 PREFIX = "deltaserve-hidden-"
@@ -41,10 +42,14 @@ class HiddenRequests:
         self._prefix = f"{PREFIX}{uuid.uuid4().hex[:8]}-"
         self.ids: set[str] = set()
 
-    def add(self, token_ids: Sequence[int], *, lora_id: str | None,
-            max_new_tokens: int = 1) -> str:
-        """Queue one hidden request (at the end of SGLang's waiting queue) and return its id."""
-        rid = f"{self._prefix}{next(self._ids)}"
+    def add(self, token_ids: Sequence[int], *, lora_id: str | None, max_new_tokens: int = 1,
+            cache_key: str | None = None) -> str:
+        """Queue one hidden request (at the end of SGLang's waiting queue) and return its id.
+        ``cache_key``: the radix-cache namespace it shares KV prefixes in (default: its own, so
+        it matches nothing and nothing matches it)."""
+        # the "." ends the number: SGLang aborts every request whose id starts with the one
+        # named (AbortReq), and "-1." is no prefix of "-10."
+        rid = f"{self._prefix}{next(self._ids)}."
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                 ignore_eos=True)
         params.normalize(None)
@@ -53,7 +58,7 @@ class HiddenRequests:
             rid=rid, input_text=None, input_ids=array("q", token_ids), input_embeds=None,
             mm_inputs=None, token_type_ids=None, sampling_params=params, return_logprob=False,
             logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False,
-            lora_id=lora_id, extra_key=rid, no_logs=True)
+            lora_id=lora_id, extra_key=cache_key or rid, no_logs=True)
         self.ids.add(rid)
         self._sched.handle_generate_request(req)
         return rid
@@ -66,6 +71,19 @@ class HiddenRequests:
         live = {r.rid for r in self._sched.waiting_queue}
         live.update(r.rid for r in self._sched.running_batch.reqs)
         return [r for r in self.ids if r in live]
+
+    def withdraw(self, rids: Iterable[str]) -> list[str]:
+        """Take those of ``rids`` still waiting out of SGLang's queue (they hold no KV yet:
+        SGLang allocates at batch building) and forget them; returns the ones taken."""
+        gone = set(rids)
+        queue = self._sched.waiting_queue
+        taken = [r for r in queue if r.rid in gone]
+        if taken:
+            self._sched.waiting_queue = [r for r in queue if r.rid not in gone]
+            for req in taken:
+                self._sched.tree_cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+        self.forget(r.rid for r in taken)
+        return [r.rid for r in taken]
 
     def forget(self, rids: Iterable[str]) -> None:
         """Stop tracking finished hidden requests (their outputs were already filtered)."""

@@ -5,15 +5,21 @@ builds the ``Engine`` or the HTTP server, each scheduler process, the detokenize
 builds the scheduler, and then applies the hooks registered in its ``HookRegistry``. It logs and
 swallows what a plugin raises, so a failure here must not be relied on to stop SGLang.
 
-Installed beside any SGLang, the plugin does two things:
+Installed beside any SGLang, the plugin stays inert unless DeltaServe drives that SGLang
+(``DELTASERVE_SGLANG`` set: :func:`~deltaserve.hosts.sglang.version.import_sglang` sets it, and
+SGLang's processes inherit it). Then it:
 
-* always, where no CUDA device exists: the ``pin_memory`` shim of :mod:`.compat`, without which
-  SGLang's LoRA code cannot run on such a machine at all (with or without DeltaServe);
-* only when DeltaServe drives this SGLang (``DELTASERVE_SGLANG`` set, inherited by SGLang's
-  processes): checks the SGLang release and replaces SGLang's ``Scheduler`` with
+* checks the SGLang release;
+* where no CUDA device exists, registers the ``pin_memory`` shim of :mod:`.compat`, without
+  which SGLang's LoRA code cannot run on such a machine;
+* replaces SGLang's ``Scheduler`` with
   :class:`~deltaserve.hosts.sglang.scheduler.CoServingScheduler` (a ``REPLACE`` hook on the
   class, the form ``hook_registry.py`` documents for scheduler subclasses), so the scheduler
-  process SGLang spawns runs DeltaServe's subclass.
+  process SGLang spawns runs DeltaServe's subclass (under ``deltaserve serve --engine sglang``,
+  :class:`~deltaserve.hosts.sglang.serving.ServingScheduler`, which co-serves from the start).
+
+A plain SGLang run in the same environment is untouched: no shim, no subclass (on a machine
+without CUDA its LoRA then fails as it does without DeltaServe; ``DELTASERVE_SGLANG=1`` opts in).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import logging
 import os
 
 from deltaserve.hosts.sglang.compat import register_pin_memory_shim
-from deltaserve.hosts.sglang.version import ACTIVE_ENV, check_version
+from deltaserve.hosts.sglang.version import ACTIVE_ENV, SERVE_ENV, check_version
 
 logger = logging.getLogger("deltaserve.sglang")
 
@@ -30,14 +36,17 @@ SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler"
 
 
 def register() -> None:
-    register_pin_memory_shim()
     if not os.environ.get(ACTIVE_ENV):
         return
     import sglang
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     check_version(str(sglang.__version__))
-    from deltaserve.hosts.sglang.scheduler import CoServingScheduler
+    register_pin_memory_shim()
+    if os.environ.get(SERVE_ENV):  # `deltaserve serve --engine sglang`: co-serving from start
+        from deltaserve.hosts.sglang.serving import ServingScheduler as scheduler_cls
+    else:
+        from deltaserve.hosts.sglang.scheduler import CoServingScheduler as scheduler_cls
 
-    HookRegistry.register(SCHEDULER_TARGET, CoServingScheduler, HookType.REPLACE)
+    HookRegistry.register(SCHEDULER_TARGET, scheduler_cls, HookType.REPLACE)
     logger.debug("DeltaServe SGLang plugin: SGLang %s, pid %d", sglang.__version__, os.getpid())

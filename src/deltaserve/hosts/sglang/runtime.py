@@ -1,0 +1,98 @@
+"""SGLang's scheduler and model runner in the caller's process, stepped one batch at a time.
+
+``sglang.Engine`` always spawns its scheduler (and, with it, the model runner) in a child
+process and talks to it over ZMQ; the HTTP server does the same. A co-server must share a
+process with the scheduler and the model runner (it plans in the scheduler, captures inside the
+forward, publishes into the LoRA pool), so either DeltaServe lives in that child (the plugin's
+``REPLACE`` of ``Scheduler``: ``deltaserve serve --engine sglang``), or the scheduler is built
+here. :class:`InProcessRuntime` does what SGLang's ``run_scheduler_process`` does, minus the
+process-level parts (no SIGQUIT handler, which would kill the caller's process tree on a
+scheduler error; no parent-death signal; no process title), and runs one iteration of SGLang's
+``event_loop_normal`` per :meth:`~InProcessRuntime.step`.
+
+The scheduler's outputs still go to its detokenizer socket, which this class binds and reads
+(``BatchTokenIDOutput``: new token ids and finish reasons per request). SGLang's parallel
+runtime is process-global: one runtime lives at a time, and :meth:`~InProcessRuntime.close`
+tears it down with SGLang's own ``cleanup_dist_env_and_memory`` so the next can start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.hosts.sglang.version import import_sglang
+
+_live: list[InProcessRuntime] = []  # at most one: SGLang's parallel runtime is per process
+
+
+@dataclass(frozen=True)
+class Output:
+    """New token ids of one request, and SGLang's finish reason once it finished."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict | None
+
+
+class InProcessRuntime:
+    def __init__(self, server_args: Any):
+        import zmq
+
+        import_sglang()
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+        from sglang.srt.server_args import PortArgs
+        from sglang.srt.utils.network import get_zmq_socket
+
+        from deltaserve.hosts.sglang.scheduler import CoServingScheduler
+
+        if _live:
+            raise RuntimeError("one SGLang host per process: close the running one first "
+                               "(SGLang's parallel runtime is process-global)")
+        load_plugins()  # the pin_memory shim, as in every SGLang process
+        server_args.resolve_once()
+        server_args.check_server_args()
+        port_args = PortArgs.init_new(server_args)
+        publish(server_args, role="scheduler", ranks=SpawnRanks(
+            world_rank=spawn_world_rank(server_args, tp_rank=0, pp_rank=0), dp_rank=None,
+            gpu_id=0))
+        self._zmq = zmq.Context(1)
+        self._outputs = get_zmq_socket(self._zmq, zmq.PULL, port_args.detokenizer_ipc_name,
+                                       True)
+        self.scheduler = CoServingScheduler(server_args, port_args)
+        _live.append(self)
+
+    def step(self) -> bool:
+        return self.scheduler.deltaserve_step()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.deltaserve_has_unfinished()
+
+    def drain(self, wait_s: float = 0.0) -> list[Output]:
+        """Every output message SGLang sent since the last call (waiting up to ``wait_s`` for
+        the first: ZMQ delivers asynchronously, within microseconds on one machine)."""
+        import zmq
+        from sglang.srt.managers.io_struct import sock_recv
+
+        out: list[Output] = []
+        timeout_ms = int(wait_s * 1000)
+        while self._outputs.poll(timeout_ms):
+            msg = sock_recv(self._outputs, flags=zmq.NOBLOCK)
+            for i, rid in enumerate(msg.rids or []):
+                out.append(Output(rid, list(msg.output_ids[i]), msg.finished_reasons[i]))
+            timeout_ms = 0
+        return out
+
+    def close(self) -> None:
+        """Remove DeltaServe's hooks, close the sockets and tear SGLang's runtime down."""
+        from sglang.srt.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        if self not in _live:
+            return
+        self.scheduler.deltaserve_hooks.remove()
+        self._outputs.close(linger=0)
+        self._zmq.term()
+        _live.remove(self)
+        cleanup_dist_env_and_memory()
+

@@ -1,0 +1,117 @@
+"""``deltaserve serve --engine sglang``: SGLang's own OpenAI server, in its own processes (a
+child of the test: never SGLang's server in the test process), with co-serving on. Greedy
+completions equal transformers'; the scheduler process reports co-serving and trains in idle
+time; on shutdown it checkpoints, and the checkpoint loads in PEFT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("sglang", reason="needs the SGLang venv (.venv-sglang: bash "
+                    "scripts/bootstrap.sh --sglang)")
+
+import torch
+
+from deltaserve.hosts.sglang.serve_config import ServeState, ServeStatus
+from deltaserve.train.checkpoint import find_latest
+from tests.hosts.sglang.common import LORA, hf_greedy
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+
+def alpaca(path, n: int = 24):
+    rows = [{"instruction": f"Add {i} and {i + 3}.", "input": "", "output": f"{2 * i + 3}"}
+            for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s: float, proc) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def serve(tmp_path, latency_file, port):
+    args = ["--model-path", "smollm2", "--port", str(port), "--dtype", "float32",
+            "--max-total-tokens", "8192", "--mem-fraction-static", "0.5",
+            "--chunked-prefill-size", "256", "--max-running-requests", "16",
+            "--finetune-dataset", str(alpaca(tmp_path / "data.jsonl")),
+            "--finetune-latency-model", str(latency_file),
+            "--finetune-lora-r", str(LORA.r), "--finetune-lora-alpha", str(LORA.alpha),
+            "--finetune-lora-target-modules", *LORA.target_modules,
+            "--finetune-backward-batch-tokens", "64", "--finetune-backward-threads", "1",
+            "--finetune-checkpoint-root", str(tmp_path / "ck"),
+            "--finetune-checkpoint-every-steps", "1000", "--finetune-optimizer-lr", "0.02"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see conftest: a shared 2-core machine
+    log = (tmp_path / "server.log").open("w")
+    return subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "serve", "--engine",
+                             "sglang", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def test_serve_coserves_inside_sglangs_own_server(latency, hf_model, tmp_path):
+    import openai
+    import requests
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    latency.save(tmp_path / "lm.json")
+    port = free_port()
+    status_path = tmp_path / "ck" / "status.json"
+    proc = serve(tmp_path, tmp_path / "lm.json", port)
+    try:
+        def healthy():
+            try:
+                return requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok
+            except requests.RequestException:
+                return False
+
+        wait_for(healthy, 600, proc)
+        status = ServeStatus.read(status_path)
+        assert status is not None and status.state is ServeState.COSERVING
+        assert status.samples == 24 and status.pid != proc.pid  # SGLang's scheduler process
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        prompt = "The capital of France is"
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                        temperature=0).choices[0].text
+        tok = AutoTokenizer.from_pretrained(hf_model.config._name_or_path)
+        want = hf_greedy(hf_model, tok(prompt)["input_ids"], 8)
+        assert got == tok.decode(want)
+
+        def trained():
+            s = ServeStatus.read(status_path)
+            return s is not None and s.stats is not None and s.stats.optimizer_steps >= 2
+
+        wait_for(trained, 600, proc)  # idle time trains
+        proc.send_signal(signal.SIGINT)
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+    final = ServeStatus.read(status_path)
+    assert final is not None and final.state is ServeState.STOPPED, final
+    ckpt = find_latest(tmp_path / "ck")
+    assert ckpt is not None and final.stats.optimizer_steps >= 2
+    base = AutoModelForCausalLM.from_pretrained(hf_model.config._name_or_path,
+                                                dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(ckpt))
+    b = [p for n, p in peft.named_parameters() if "lora_B" in n]
+    assert b and any(p.abs().sum() > 0 for p in b)  # trained, saved, loaded

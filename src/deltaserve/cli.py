@@ -48,7 +48,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, Flags]]:
     serve = sub.add_parser(
         "serve", help="the OpenAI inference, Files and Fine-tuning Jobs APIs, co-serving",
         description="Serve MODEL (default: the built-in model) on the embedded engine. With "
-        "--engine vllm, every argument after it goes to vLLM's server: "
+        "--engine vllm or sglang, every other argument goes to that engine's own server: "
         "deltaserve serve --engine vllm MODEL [vLLM flags].")
     serve.add_argument("--engine", choices=ENGINES, default="native")
     serve.add_argument("host.model", nargs="?", default=EngineConfig().model, metavar="MODEL",
@@ -58,11 +58,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, Flags]]:
     return parser, flags
 
 
-ENGINES = ("native", "vllm")
+ENGINES = ("native", "vllm", "sglang")
 
 
 def _engine(args: list[str]) -> str:
-    """``serve``'s ``--engine`` (vLLM takes every other argument, so it is read first)."""
+    """``serve``'s ``--engine`` (vLLM and SGLang take every other argument, so it is read
+    first)."""
     for i, arg in enumerate(args):
         if arg == "--engine" and i + 1 < len(args):
             return args[i + 1]
@@ -71,13 +72,16 @@ def _engine(args: list[str]) -> str:
     return "native"
 
 
-def _serve_vllm(args: list[str]) -> int:
+def _serve_engine(engine: str, args: list[str]) -> int:
+    """An engine's own OpenAI server with co-serving on (the lazy engine imports: each engine
+    lives in its own venv)."""
     rest = [a for i, a in enumerate(args) if a != "--engine" and not a.startswith("--engine=")
             and not (i > 0 and args[i - 1] == "--engine")]
-    from deltaserve.hosts.vllm.serve import main as serve_main  # the lazy engine import
-
+    if engine == "vllm":
+        from deltaserve.hosts.vllm.serve import main as serve_main
+    else:
+        from deltaserve.hosts.sglang.serve import main as serve_main
     return serve_main(rest)
-    deltaserve serve --engine sglang --model-path MODEL --finetune-dataset PATH ...
 
 
 def _calibrate(ns: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+from deltaserve.core.durable import fsync_dir
 from deltaserve.core.errors import InputError
 from deltaserve.model.peft_io import CONFIG_NAME, WEIGHTS_NAME
 from deltaserve.server.records import FILE_PREFIX, JOB_PREFIX, new_id
@@ -31,14 +32,6 @@ def _checked(prefix: str, ident: str) -> str:
     if not is_id(prefix, ident):
         raise ValueError(f"not a server-issued id: {ident!r}")
     return ident
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DataDir:
@@ -84,10 +77,10 @@ class DataDir:
             shutil.copyfile(src / name, tmp / name)
             with open(tmp / name, "rb+") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         dst.parent.mkdir(parents=True, exist_ok=True)
         if dst.exists():  # the same step checkpointed again (a pause right after a periodic one)
             shutil.rmtree(dst)
         os.rename(tmp, dst)
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
         return dst

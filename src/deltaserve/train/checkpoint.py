@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file
 
 from deltaserve.core.data import TrainingSample
+from deltaserve.core.durable import fsync_dir, fsync_file
 from deltaserve.core.errors import InputError, require
 from deltaserve.core.jsontypes import JsonObject
 from deltaserve.core.pool import SamplePool
@@ -141,18 +142,18 @@ class CheckpointStore:
     def _move_into_place(self, tmp: Path, final: Path) -> None:
         if not final.exists():
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         elif _same_state(final, tmp):  # the same step again (shutdown after a periodic save)
             # it already holds this committed state, complete: keep it, refreshed so that it
             # counts as the newest (one atomic replace of its trainer_state)
             os.replace(tmp / STATE_NAME, final / STATE_NAME)
-            _fsync_dir(final)
+            fsync_dir(final)
         else:  # an earlier run's, or broken: moved aside only now that tmp is complete
             aside = self.root / f"{TMP_PREFIX}{final.name}-{os.getpid()}-replaced"
             shutil.rmtree(aside, ignore_errors=True)
             os.rename(final, aside)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             shutil.rmtree(aside, ignore_errors=True)
 
     def _point_latest(self, final: Path) -> None:
@@ -162,13 +163,13 @@ class CheckpointStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.root / LATEST)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _prune(self, just_written: Path) -> None:
         older = [p for p in self.newest_first() if p != just_written]
         for old in older[self.keep - 1:]:
             shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def clean_stale(self) -> list[Path]:
         """Remove what a crash mid-save left (``.tmp-*``); call at start-up, before saving."""
@@ -181,7 +182,7 @@ class CheckpointStore:
             else:
                 p.unlink(missing_ok=True)
         if stale:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         return stale
 
     # ---- reading ----------------------------------------------------------------------------
@@ -281,25 +282,8 @@ def _write_files(tmp: Path, adapter: AdapterWeights, optimizer: OptimizerState,
     torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
     (tmp / STATE_NAME).write_text(json.dumps(state))
     for name in FILES:
-        _fsync_file(tmp / name)
-    _fsync_dir(tmp)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the directory's entries (a create, a rename) durable, not only the files' data."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_file(tmp / name)
+    fsync_dir(tmp)
 
 
 def _read_state(path: Path) -> JsonObject:

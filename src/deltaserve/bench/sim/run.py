@@ -57,7 +57,7 @@ class SimSetup:
 
     cfg: SimBenchConfig
     hw: SimHardware
-    profiles: GpuProfiles
+    profiles: GpuProfiles | None  # None: a host not priced by GPU profiles (no all-reduce)
     data: SimData
     latency: LatencyModel
     limits: HostLimits

@@ -71,8 +71,7 @@ def _sweep(doc: dict) -> list[str]:
 def _where(m: dict) -> str:
     """The host and its hardware (a simulated host names its GPUs; cores are then GPUs)."""
     if m.get("gpu"):
-        return (f"{m['model']} on {m['replicas']}× {m['gpu']} (TP{m['tp']}) on the "
-                f"{m['host']} host (cores below are GPUs)")
+        return f"{m['replicas']}× {m['gpu']} on the {m['host']} host (cores below are GPUs)"
     return f"{m['model']} on the {m['host']} host, {m['threads']} threads"
 
 

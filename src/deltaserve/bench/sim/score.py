@@ -124,6 +124,7 @@ class SimScore:
             "barrier_wait_s": f.barrier_wait_s, "global_steps": f.global_steps,
             "simulated_s": f.end_s, "wall_s": f.wall_s,
             "simulated_s_per_wall_s": f.end_s / f.wall_s if f.wall_s else None,
+            "cpu_s": f.cpu_s, "simulated_s_per_cpu_s": f.end_s / f.cpu_s if f.cpu_s else None,
             "events": f.events, "timed_out": f.timed_out}
 
 

@@ -68,14 +68,29 @@ def _sweep(doc: dict) -> list[str]:
     return ["", "SLO sweep (scale × the pilot's p99s):", "", *_table(head, rows)]
 
 
+def _where(m: dict) -> str:
+    """The host and its hardware (a simulated host names its GPUs; cores are then GPUs)."""
+    if m.get("gpu"):
+        return f"{m['replicas']}× {m['gpu']} on the {m['host']} host (cores below are GPUs)"
+    return f"{m['model']} on the {m['host']} host, {m['threads']} threads"
+
+
+def _reference(doc: dict) -> list[str]:
+    """The run beside published numbers, where the results hold such a comparison."""
+    ref = doc.get("paper")
+    if not ref:
+        return []
+    return ["", f"Beside the paper ({ref['setting']}):", "",
+            *_table(("quantity", "paper", "this run"), ref["rows"])]
+
+
 def render(doc: dict) -> str:
     """The README block for one run: what was run, the SLO and its verdict, the systems
     beside their pairs, the comparisons, and the sweep if there was one."""
     t, m = doc["trace"], doc["machine"]
     systems = doc["systems"]
     lines = [f"Trace {t['name']}: {t['requests']} requests over {t['duration_s']:.0f} s, peak "
-             f"{t['peak_rps']:.2f} req/s; {m['model']} on the {m['host']} host, "
-             f"{m['threads']} threads. SLO: {doc['slo']['text']}. "
+             f"{t['peak_rps']:.2f} req/s; {_where(m)}. SLO: {doc['slo']['text']}. "
              f"Verdict: {doc['slo_binding']['verdict']}.", ""]
     lines += _table(COLUMNS, [system_row(n, s, systems) for n, s in systems.items()])
     comps = [[f"{c['system']} / {c['baseline']}", _num(c["ft_ratio"], ".2f", "×"),
@@ -83,7 +98,7 @@ def render(doc: dict) -> str:
              for c in doc["comparisons"]]
     if comps:
         lines += ["", *_table(("comparison", "FT tokens/s ratio", "SLO attainment"), comps)]
-    return "\n".join(lines + _sweep(doc)) + "\n"
+    return "\n".join(lines + _sweep(doc) + _reference(doc)) + "\n"
 
 
 def render_file(path: Path) -> str:

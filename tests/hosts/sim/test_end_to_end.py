@@ -11,6 +11,7 @@ from deltaserve.bench.sim.config import SimBenchConfig
 from deltaserve.bench.sim.experiment import run_sim_bench
 from deltaserve.bench.sim.inputs import SimData
 from deltaserve.bench.sim.plan import PlanConfig, plan
+from deltaserve.bench.tables import render
 from deltaserve.cli import _parser, main
 from deltaserve.cli_flags import from_args
 from deltaserve.core.data import DatasetReport
@@ -43,6 +44,14 @@ def test_a_sixty_second_trace_end_to_end(tmp_path, vidur_dir):
     # the latency model is calibrated against the oracle and its error measured online
     assert doc["calibration"] and doc["systems"]["deltaserve"]["latency_model_mape"] is not None
     assert "| DeltaServe FT tokens/s |" in (tmp_path / "paper.md").read_text()
+    # scored by the bench's own scoring: split-pool holds one of the 2 GPUs for its trainer
+    share = doc["systems"]["split-pool"]["hardware_share"]
+    assert share == {"cores": 2, "host": 1, "reserved": 1}
+    assert doc["systems"]["deltaserve"]["hardware_share"]["reserved"] == 0
+    assert doc["slo"]["ttft_ms"] == 400 and doc["slo"]["ttft_from"] == "flag"
+    # the README's table renders from it, beside the paper's numbers
+    table = render(doc)
+    assert "| deltaserve | llmstation |" in table and "Beside the paper" in table
 
 
 def test_plan_prints_a_row_per_fleet_size(vidur_dir):
@@ -61,7 +70,7 @@ def test_plan_refuses_a_gpu_without_profiles(capsys):
 
 
 def test_plan_reads_fleet_sizes_comma_separated():
-    ns = _parser().parse_args(["plan", "--replicas", "1,2,4", "--trace", "burst-dense"])
+    ns = _parser()[0].parse_args(["plan", "--replicas", "1,2,4", "--trace", "burst-dense"])
     assert from_args(PlanConfig, ns).replicas == (1, 2, 4)
     with pytest.raises(SystemExit):
-        _parser().parse_args(["plan", "--replicas", "1,x"])
+        _parser()[0].parse_args(["plan", "--replicas", "1,x"])

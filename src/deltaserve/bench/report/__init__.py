@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from deltaserve.bench.outcome import SystemRun
@@ -13,21 +14,28 @@ from deltaserve.bench.report.plots import (
     plot_sweep,
     plot_throughput,
 )
-from deltaserve.bench.results import BenchResults
+from deltaserve.bench.results import BenchResults, SweepPoint
+from deltaserve.core.slo import SLOConfig
+from deltaserve.workloads.trace import Trace
 
 
 def write_report(out: Path, results: BenchResults, runs: dict[str, SystemRun]) -> None:
     """``runs``: the replays behind ``results.main``, by system."""
-    doc = results.as_json()
-    slo = results.slo.config
-    ordered = {n: runs[n] for n in results.main.scores}
-    plot_latency(ordered, slo, out / "latency.png")
-    plot_throughput(ordered, results.trace.trace, out / "throughput.png")
-    plot_attainment(ordered, slo, out / "attainment.png")
+    write_pages(out, results.as_json(), {n: runs[n] for n in results.main.scores},
+                results.slo.config, results.trace.trace, results.sweep)
+
+
+def write_pages(out: Path, doc: dict, runs: dict[str, SystemRun], slo: SLOConfig,
+                trace: Trace, sweep: Sequence[SweepPoint] = ()) -> None:
+    """The report of ``doc`` (a ``results.json``) and its plots; ``runs`` in report order. A
+    host that replays its own way (the simulated host) writes its report through this."""
+    plot_latency(runs, slo, out / "latency.png")
+    plot_throughput(runs, trace, out / "throughput.png")
+    plot_attainment(runs, slo, out / "attainment.png")
     images = ["throughput.png", "latency.png", "attainment.png"]
     ds = runs.get("deltaserve")
     if ds is not None and ds.train_log and plot_loss(ds.train_log, out / "loss.png"):
         images.append("loss.png")
-    if results.sweep:
-        plot_sweep(results.sweep, out / "sweep.png")
+    if sweep:
+        plot_sweep(list(sweep), out / "sweep.png")
     (out / "report.html").write_text(page(doc, images))

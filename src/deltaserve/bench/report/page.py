@@ -46,7 +46,10 @@ def _share_text(doc: dict) -> str:
     parts = [f"{n}: host {v['host']}" + (f" + training {v['reserved']}" if v["reserved"]
                                          else " (training, if any, shares them)")
              for n, v in shares.items()]
-    return (f"Every system had the whole machine, {doc['machine']['threads']} threads: "
+    m = doc["machine"]
+    whole = (f"{doc['harvest']['cores']} simulated {m['gpu']} GPUs" if m.get("gpu")
+             else f"{m['threads']} threads")
+    return (f"Every system had the whole machine, {whole}: "
             + "; ".join(parts) + ".")
 
 

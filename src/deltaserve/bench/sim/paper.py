@@ -64,6 +64,16 @@ def comparison(results: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def paper_reference(results: dict) -> dict | None:
+    """The comparison as ``results.json`` keeps it (the README renders it from there); None for
+    a trace the paper did not run."""
+    if results["trace"]["source"] not in PAPER:
+        return None
+    return {"setting": "Llama-3-8B on 4×A100, SLO TTFT 400 ms / max TPOT 120 ms, the paper's "
+                       f"{results['trace']['source']} experiment",
+            "rows": [list(r) for r in comparison(results)]}
+
+
 def _pct(v: float | None) -> float | None:
     return None if v is None else 100 * v
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from deltaserve.bench.sim.config import SimBenchConfig
 from deltaserve.bench.sim.inputs import SimData, sim_trace
-from deltaserve.bench.sim.run import prepare, run_systems, score_all
+from deltaserve.bench.sim.run import prepare, run_systems, scored_json
 from deltaserve.bench.sim.systems import sim_systems
 from deltaserve.core.errors import require
 from deltaserve.hosts.sim import standalone
@@ -79,8 +79,8 @@ def plan(cfg: PlanConfig, echo: Callable[[str], None] = print, data: SimData | N
          f"{'SLO (inference only)':>21} {'p99 TTFT ms':>12}")
     rows = []
     for n in cfg.replicas:
-        scored = score_all(setup, run_systems(setup, sim_systems(setup.cfg.systems), n,
-                                              trace), rate)
+        scored = scored_json(setup, run_systems(setup, sim_systems(setup.cfg.systems), n,
+                                                trace), rate)
         ds, inf = scored["deltaserve"], scored["inference-only"]
         row = {"replicas": n, "gpus": n * cfg.tp, "ft_tokens_per_s": ds["ft_tokens_per_s"],
                "slo_attainment": ds["slo_attainment"],

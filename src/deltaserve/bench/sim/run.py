@@ -7,12 +7,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from deltaserve.bench.llmstation import LLMStationScheduler
+from deltaserve.bench.outcome import Commit
+from deltaserve.bench.score import HarvestBase
 from deltaserve.bench.sim.config import SimBenchConfig
 from deltaserve.bench.sim.inputs import SimData, sim_samples
 from deltaserve.bench.sim.paper import ablation_table
-from deltaserve.bench.sim.score import SimOutcome, harvest_base, score, system_run
+from deltaserve.bench.sim.score import (
+    SimOutcome,
+    SimScore,
+    hardware_share,
+    harvest_base,
+    score,
+    system_run,
+)
 from deltaserve.bench.sim.systems import sim_systems
-from deltaserve.bench.systems import SystemSpec
+from deltaserve.bench.systems import PILOT, SystemSpec
 from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.calibration import CalibrationConfig, HostLimits
 from deltaserve.core.latency_model import LatencyModel
@@ -48,7 +57,7 @@ class SimSetup:
 
     cfg: SimBenchConfig
     hw: SimHardware
-    profiles: GpuProfiles
+    profiles: GpuProfiles | None  # None: a host not priced by GPU profiles (no all-reduce)
     data: SimData
     latency: LatencyModel
     limits: HostLimits
@@ -112,13 +121,16 @@ def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace) -
         fleet.coserve(CoServing(coserve_config(setup, spec), setup.latency, setup.data.samples,
                                 spec.scheduler_cls, setup.allreduce_s(replicas)))
     run = fleet.replay(trace)
-    commits = [(c.at_s, c.num_tokens, len(c.sample_ids)) for c in run.commits]
+    # every replica commits its own share of a global step: its tokens and samples (packed)
+    commits = [Commit(c.at_s, c.num_tokens, len(c.sample_ids), c.num_tokens)
+               for c in run.commits]
     if spec.split_pool:
-        commits = [(s.at_s, s.num_tokens, s.num_samples) for s in standalone.train(
-            hw, setup.data.samples, cfg.backward.batch_tokens, run.end_s, seed=cfg.seed)]
+        commits = [Commit(s.at_s, s.num_tokens, s.num_samples, s.num_tokens)
+                   for s in standalone.train(hw, setup.data.samples, cfg.backward.batch_tokens,
+                                             run.end_s, seed=cfg.seed)]
     fleet.close()
-    return SimOutcome(system_run(spec, run, commits), run, replicas * hw.tp,
-                      hw.tp if spec.split_pool else 0, hw.tp)
+    share = hardware_share(spec, replicas, hw.tp)
+    return SimOutcome(system_run(spec, run, commits, share), run, hw.tp)
 
 
 def run_systems(setup: SimSetup, specs: tuple[SystemSpec, ...], replicas: int, trace: Trace
@@ -134,19 +146,29 @@ def run_systems(setup: SimSetup, specs: tuple[SystemSpec, ...], replicas: int, t
     return out
 
 
-def score_all(setup: SimSetup, outcomes: dict[str, SimOutcome], standalone_tps: float
-              ) -> dict[str, dict]:
-    pilot = outcomes.get("inference-only")
-    base = harvest_base(pilot, setup.hw.tp, standalone_tps) if pilot else None
-    return {name: score(o, setup.slo, base if name != "inference-only" else None)
-            for name, o in outcomes.items()}
+def base_of(setup: SimSetup, outcomes: dict[str, SimOutcome], standalone_tps: float
+            ) -> HarvestBase:
+    """The harvest's terms from the pilot among ``outcomes`` (none: ratios stay None)."""
+    gpus = max(o.run.share.cores for o in outcomes.values())
+    return harvest_base(outcomes.get(PILOT), standalone_tps, gpus, setup.hw.tp)
+
+
+def score_all(setup: SimSetup, outcomes: dict[str, SimOutcome], base: HarvestBase
+              ) -> dict[str, SimScore]:
+    return {name: score(o, setup.slo, base) for name, o in outcomes.items()}
+
+
+def scored_json(setup: SimSetup, outcomes: dict[str, SimOutcome], standalone_tps: float
+                ) -> dict[str, dict]:
+    """Every system's score as ``results.json`` holds it."""
+    base = base_of(setup, outcomes, standalone_tps)
+    return {n: s.as_json() for n, s in score_all(setup, outcomes, base).items()}
 
 
 def run_ablation(setup: SimSetup, trace: Trace) -> dict:
     """The one-GPU ablations, on the trace thinned to one GPU's share of it."""
     cfg = setup.cfg
     one = trace if cfg.replicas == 1 else trace.scale_rate(1.0 / cfg.replicas, cfg.seed)
-    outcomes = run_systems(setup, sim_systems(ABLATION_SYSTEMS), 1, one)
-    scored = score_all(setup, outcomes, 0.0)
+    scored = scored_json(setup, run_systems(setup, sim_systems(ABLATION_SYSTEMS), 1, one), 0.0)
     return {"trace": {"requests": len(one), "rate_factor": 1.0 / cfg.replicas},
             "systems": scored, "table": ablation_table(scored)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from deltaserve.bench.sim.run import SimSetup, prepare, run_systems, score_all
+from deltaserve.bench.sim.run import SimSetup, prepare, run_systems, scored_json
 from deltaserve.bench.sim.systems import sim_systems
 from deltaserve.hosts.sim.modelled import ModelledParams
 from deltaserve.workloads.trace import Trace
@@ -19,8 +19,8 @@ SENSITIVITY_SYSTEMS = "deltaserve,llmstation,split-pool"
 
 
 def _point(setup: SimSetup, trace: Trace, replicas: int) -> dict:
-    scored = score_all(setup, run_systems(setup, sim_systems(SENSITIVITY_SYSTEMS), replicas,
-                                          trace), 0.0)
+    scored = scored_json(setup, run_systems(setup, sim_systems(SENSITIVITY_SYSTEMS), replicas,
+                                            trace), 0.0)
     ft = {n: s["ft_tokens_per_s"] for n, s in scored.items()}
     slo = {n: s["slo_attainment"] for n, s in scored.items()}
     ds = ft["deltaserve"]

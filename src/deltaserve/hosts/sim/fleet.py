@@ -82,6 +82,7 @@ class FleetRun:
     global_steps: int = 0
     events: int = 0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time for the replay (the speed on a shared machine)
 
     @property
     def steps(self) -> list[StepRecord]:
@@ -151,7 +152,7 @@ class Fleet:
     # ---- replay -----------------------------------------------------------------------------
     def replay(self, trace: Trace, *, drain_timeout_s: float = 300.0) -> FleetRun:
         """Send every request at its arrival time; run until all have finished."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         records = [RequestTimes(i, r.arrival_s, r.prompt_tokens, r.output_tokens)
                    for i, r in enumerate(trace.requests)]
         self._left += len(records)
@@ -167,7 +168,7 @@ class Fleet:
             [list(s) for s in self._steps], list(self.commits),
             [e.latency_model.online_error() if e.latency_model else () for e in self.engines],
             self.sync.wait_s if self.sync else 0.0, self.sync.rounds if self.sync else 0,
-            self.clock.events_run, time.perf_counter() - t0)
+            self.clock.events_run, time.perf_counter() - t0, time.process_time() - c0)
 
     def _send(self, rec: RequestTimes) -> None:
         rank = self.route()

@@ -12,7 +12,7 @@ bandwidth (from the measured decode-attention slope), per-layer forward times (t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TypeVar
 
 from deltaserve.core.errors import require, require_positive
 from deltaserve.hosts.sim.catalogue import ModelShape
@@ -23,7 +23,12 @@ FP16_BYTES = 2
 ADAMW_BYTES_PER_PARAM = 28
 
 
-def _param(default: float, unit: str, source: str, low: float, high: float) -> Any:
+Num = TypeVar("Num", int, float)
+
+
+def _param(default: Num, unit: str, source: str, low: float, high: float) -> Num:
+    """A dataclass field (typed as its default, as ``dataclasses.field`` is) with its unit,
+    source and sensitivity range."""
     return field(default=default, metadata={"unit": unit, "source": source, "range": (low, high)})
 
 

@@ -1,16 +1,19 @@
 """``deltaserve bench`` end to end on the tiny model: the metric wiring, never speed.
 
-A few-second trace, three systems (the pilot, ``deltaserve`` and the ``greedy`` control). What
-is checked is what a wrong wire would break: every field is there, the SLO is the stated
-multiple of the pilot's own p99s, the pilot's harvest is 0, a co-serving system committed
-fine-tuning tokens, the latency model's online and held-out errors were both scored, and the
-README table renders from the file.
+A few-second trace, three systems (the pilot, ``deltaserve`` and the ``greedy`` control), with
+a two-scale ``--slo-sweep`` (one extra replay: only ``deltaserve`` is SLO-aware here). What is
+checked is what a wrong wire would break: every field is there, the SLO is the stated multiple
+of the pilot's own p99s, the pilot's harvest is 0, a co-serving system committed fine-tuning
+tokens, the latency model's online and held-out errors were both scored, the sweep's figure
+draws each system's results.json numbers as one curve, and the README table renders from the
+file.
 """
 
 from __future__ import annotations
 
 import json
 
+import matplotlib.pyplot as plt
 import pytest
 
 from deltaserve.bench.tables import blocks, render, update
@@ -19,6 +22,7 @@ from tests.conftest import make_word_tokenizer
 from tests.tiny import save_tiny
 
 SCALE = 1.5
+SWEEP = (1.5, 3.0)  # the main scale is one of the sweep's: its point must equal the main table
 SYSTEMS = ["inference-only", "deltaserve", "greedy"]
 WORDS = ("user assistant system the a of to and is in what add two numbers reverse word answer "
          "give sum list first last letter count how many . , ? : 0 1 2 3 4 5 6 7 8 9").split()
@@ -34,20 +38,32 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def doc(tiny_model, tmp_path_factory):
+def run(tiny_model, tmp_path_factory):
+    """The run's results.json and every figure it drew (kept open to be read, closed after)."""
     out = tmp_path_factory.mktemp("bench") / "results"
-    rc = main(["bench", "--model", str(tiny_model), "--dtype", "float32",
-               "--trace", "burst-light", "--duration", "5", "--rate-scale", "0.08",
-               "--max-prompt-tokens", "48", "--max-output-tokens", "12",
-               "--systems", ",".join(SYSTEMS), "--slo-scale", str(SCALE),
-               "--standalone-seconds", "2", "--heldout", "4",
-               "--backward-batch-tokens", "64", "--latency-error-min-ms", "0",
-               "--latency-holdout-every", "3", "--out", str(out), "--no-progress"])
+    figures = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt, "close", figures.append)
+        rc = main(["bench", "--model", str(tiny_model), "--dtype", "float32",
+                   "--trace", "burst-light", "--duration", "5", "--rate-scale", "0.08",
+                   "--max-prompt-tokens", "48", "--max-output-tokens", "12",
+                   "--systems", ",".join(SYSTEMS), "--slo-scale", str(SCALE),
+                   "--standalone-seconds", "2", "--heldout", "4",
+                   "--backward-batch-tokens", "64", "--latency-error-min-ms", "0",
+                   "--latency-holdout-every", "3", "--out", str(out), "--no-progress",
+                   "--slo-sweep", ",".join(f"{s:g}" for s in SWEEP)])
     assert rc == 0
     for name in ("results.json", "report.html", "latency.png", "throughput.png",
-                 "attainment.png", "work/.gitignore"):
+                 "attainment.png", "sweep.png", "work/.gitignore"):
         assert (out / name).is_file(), name
-    return json.loads((out / "results.json").read_text())
+    yield json.loads((out / "results.json").read_text()), figures, out
+    for fig in figures:
+        plt.close(fig)
+
+
+@pytest.fixture(scope="module")
+def doc(run):
+    return run[0]
 
 
 def test_slo_is_the_stated_multiple_of_the_pilots_p99s(doc):
@@ -123,3 +139,44 @@ def test_readme_blocks_are_checked_and_rewritten_from_the_file(doc, tmp_path):
     (run_dir / "results.json").unlink()
     with pytest.raises(FileNotFoundError):
         blocks(readme)
+
+
+def test_slo_sweep_runs_the_slo_aware_systems_per_scale(doc):
+    points = doc["sweep"]
+    assert [p["scale"] for p in points] == list(SWEEP)
+    pilot = doc["systems"]["inference-only"]
+    for p in points:
+        assert list(p["systems"]) == SYSTEMS
+        assert p["slo"]["ttft_ms"] == pytest.approx(p["scale"] * pilot["ttft_p99_ms"])
+        assert p["slo"]["tpot_ms"] == pytest.approx(p["scale"] * pilot["tpot_p99_ms"])
+        # deltaserve prices Δ, so it ran again at each scale; the blind ones ran once
+        assert p["systems"]["deltaserve"]["ran_at_scale"]
+        assert not p["systems"]["greedy"]["ran_at_scale"]
+        assert not p["systems"]["inference-only"]["ran_at_scale"]
+    for name in ("greedy", "inference-only"):  # one run, scored against each SLO
+        assert len({p["systems"][name]["ft_tokens_per_s"] for p in points}) == 1
+    # a looser SLO can only let a run that ran once meet more of it
+    for name in ("greedy", "inference-only"):
+        att = [p["systems"][name]["slo_attainment"] for p in points]
+        assert att == sorted(att)
+    (main_point,) = [p for p in points if p["scale"] == SCALE]
+    for name, s in main_point["systems"].items():
+        assert s["ft_tokens_per_s"] == pytest.approx(doc["systems"][name]["ft_tokens_per_s"])
+        assert s["slo_attainment"] == pytest.approx(doc["systems"][name]["slo_attainment"])
+
+
+def test_slo_sweep_figure_draws_one_curve_per_system_from_the_results(run):
+    doc, figures, out = run
+    (fig,) = [f for f in figures if f.axes and f.axes[0].get_xlabel().startswith(
+        "SLO attainment (%)")]
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()
+             if not ln.get_label().startswith("_")}
+    assert sorted(lines) == sorted(SYSTEMS)
+    for name, line in lines.items():
+        xs = [100 * p["systems"][name]["slo_attainment"] for p in doc["sweep"]]
+        ys = [p["systems"][name]["ft_tokens_per_s"] for p in doc["sweep"]]
+        assert list(line.get_xdata()) == pytest.approx(xs)
+        assert list(line.get_ydata()) == pytest.approx(ys)
+    page = (out / "report.html").read_text()
+    assert "SLO sweep" in page and '<img src="sweep.png">' in page
+    assert "SLO sweep" in render(doc)

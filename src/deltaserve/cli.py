@@ -78,7 +78,7 @@ def _serve_engine(engine: str, args: list[str]) -> int:
     rest = [a for i, a in enumerate(args) if a != "--engine" and not a.startswith("--engine=")
             and not (i > 0 and args[i - 1] == "--engine")]
     if engine == "vllm":
-        from deltaserve.hosts.vllm.serve import main as serve_main
+        from deltaserve.server.vllm_serve import main as serve_main
     else:
         from deltaserve.hosts.sglang.serve import main as serve_main
     return serve_main(rest)

@@ -78,6 +78,9 @@ def service_spec(args: argparse.Namespace, coserve_flags: Flags,
             setattr(args, dest, default)
     coserve = serve.coserve_config(args, coserve_flags)
     job_defaults(coserve, 1)  # a job must end: num_epochs is set
+    given = args.model_tag or args.model
+    if not args.served_model_name and given and not os.path.isdir(given):
+        args.served_model_name = [given]  # a built-in name stays the model's name, not a path
     serve.prepare_args(args, coserve.lora.r)
     config: ServerConfig = checked_from_args(ServerConfig, args, server_flags, "service.",
                                              bind=args.host, port=args.port,

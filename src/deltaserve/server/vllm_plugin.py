@@ -140,6 +140,27 @@ class DeltaServeEndpoints:
         state.services = parts.services
         state.deltaserve_parts = parts
         register_metrics(ServingCollector(stats, parts.services.store))
+        pause_before_engine_stops(engine_client, parts)
+
+
+def pause_before_engine_stops(engine_client: EngineClient, parts: Parts) -> None:
+    """At SIGINT/SIGTERM vLLM 0.32 stops the engine first and ends the app's lifespan after
+    (``serve_http``'s ``handle_shutdown`` in ``vllm/entrypoints/launchers/launcher.py``), when
+    the co-server in the engine process is gone. So the running job is checkpointed and paused
+    just before the engine client shuts down (vLLM calls that from an executor thread, leaving
+    the event loop free for the pause's RPCs); the lifespan's own stop then finds nothing to
+    pause. Without this the job would resume at the next start from its last recorded
+    checkpoint (nothing lost, later steps trained again)."""
+    stop_engine = engine_client.shutdown
+
+    def shutdown(*args: object, **kwargs: object) -> None:
+        try:
+            parts.driver.stop()
+        except Exception:
+            log.exception("could not pause the running job before the engine stopped")
+        stop_engine(*args, **kwargs)
+
+    engine_client.shutdown = shutdown
 
 
 async def calibrate(calls: EngineCalls, spec: CalibrateSpec) -> None:

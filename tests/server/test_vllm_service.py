@@ -158,7 +158,7 @@ def _peft_greedy(adapter_dir: Path, prompt_ids: list[int], max_tokens: int) -> l
     base = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype="float32")
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     ids = model.generate(input_ids=torch.tensor([prompt_ids]), do_sample=False,
-                         max_new_tokens=max_tokens, min_new_tokens=max_tokens)
+                         max_new_tokens=max_tokens)
     return ids[0, len(prompt_ids):].tolist()
 
 
@@ -170,7 +170,7 @@ def test_fine_tuned_model_answers_as_peft_does(vllm_service, finished_job):
                                                tokenize=True, return_dict=False)
     n = 8
     outs = {m: client.completions.create(model=m, prompt=prompt_ids, max_tokens=n,
-                                         temperature=0, extra_body={"ignore_eos": True})
+                                         temperature=0)
             for m in (MODEL, job.fine_tuned_model)}
     tuned = outs[job.fine_tuned_model].choices[0]
     assert tuned.text != outs[MODEL].choices[0].text

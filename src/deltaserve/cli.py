@@ -78,7 +78,7 @@ def _serve_engine(engine: str, args: list[str]) -> int:
     rest = [a for i, a in enumerate(args) if a != "--engine" and not a.startswith("--engine=")
             and not (i > 0 and args[i - 1] == "--engine")]
     if engine == "vllm":
-        from deltaserve.hosts.vllm.serve import main as serve_main
+        from deltaserve.server.vllm_serve import main as serve_main
     else:
         from deltaserve.hosts.sglang.serve import main as serve_main
     return serve_main(rest)
@@ -116,7 +116,11 @@ def _sim_bench(argv: list[str]) -> argparse.Namespace | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"] and _engine(argv[1:]) in ("vllm", "sglang"):
-        return _serve_engine(_engine(argv[1:]), argv[1:])
+        try:
+            return _serve_engine(_engine(argv[1:]), argv[1:])
+        except InputError as e:  # a bad flag or file, named before the engine starts
+            print(f"deltaserve: error: {e}", file=sys.stderr)
+            return 2
     sim = _sim_bench(argv)
     parser, flags = _parser()
     ns = sim if sim is not None else parser.parse_args(argv)

@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deltaserve.server.errors import error_body
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DASHBOARD_SHELL = "/dashboard"
 METRICS = "/metrics"

@@ -23,12 +23,14 @@ import logging
 import math
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
+from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
-from deltaserve.hosts.base import BaseHost
 from deltaserve.model.peft_io import save_adapter
 from deltaserve.server.hyperparameters import job_defaults
 from deltaserve.server.protocols import (
@@ -42,9 +44,36 @@ from deltaserve.server.protocols import (
 from deltaserve.server.runner_events import EventTranslator
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.coserver import CoServer
-from deltaserve.train.events import CheckpointSaved, CoServeStats, OptimizerStep, TrainingEvent
+from deltaserve.train.events import (
+    CheckpointSaved,
+    CoServeStats,
+    Listener,
+    OptimizerStep,
+    TrainingEvent,
+)
 
 log = logging.getLogger("deltaserve.server")
+
+
+class JobCoServer(Protocol):
+    """What the runner reads of a job's co-server: a :class:`CoServer`, or its proxy in
+    another process (vLLM's engine process: ``hosts.vllm.service_host.RemoteJob``)."""
+
+    def subscribe(self, listener: Listener) -> None: ...
+
+    def stats(self) -> CoServeStats: ...
+
+
+class CoServingHost(Protocol):
+    """Attach and detach one co-server at a time: a :class:`~deltaserve.hosts.base.BaseHost`,
+    or ``hosts.vllm.service_host.EngineJobs`` for vLLM's engine process. ``latency_model``
+    None: the host keeps its own."""
+
+    def attach(self, *, dataset: Sequence[TrainingSample], config: CoServeConfig,
+               latency_model: LatencyModel | None, progress: bool,
+               validation: Sequence[TrainingSample] | None) -> JobCoServer: ...
+
+    def detach(self, *, drain: bool, checkpoint: bool) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +108,7 @@ class FineTuningTotals:
 @dataclass(eq=False)
 class _Job:
     spec: TrainingJobSpec
-    co: CoServer
+    co: JobCoServer
     baseline: CoServeStats  # the co-server's counters when it was attached
     events: EventTranslator
     target_samples: int  # samples committed (every epoch) when the job is done
@@ -102,8 +131,8 @@ class _Job:
 
 
 class CoServingRunner:
-    def __init__(self, host: BaseHost, config: CoServeConfig, latency_model: LatencyModel,
-                 max_sample_tokens: int):
+    def __init__(self, host: CoServingHost, config: CoServeConfig,
+                 latency_model: LatencyModel | None, max_sample_tokens: int):
         self.host = host
         self.config = config
         self.latency = latency_model
@@ -208,6 +237,8 @@ class CoServingRunner:
         failed (a full disk then raises ``OSError``)."""
         if job.checkpoint is not None and job.checkpoint[0] == step:
             return job.checkpoint[1]
+        if not isinstance(job.co, CoServer):  # in another process: only its checkpoints
+            raise OSError(f"the final checkpoint (step {step}) was not written")
         return save_adapter(job.spec.checkpoint_dir / "final", job.co.adapter,
                             job.spec.base_model)
 

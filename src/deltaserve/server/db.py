@@ -12,7 +12,6 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 SCHEMA_VERSION = 1
 SCHEMA = """
@@ -74,6 +73,8 @@ CREATE TABLE IF NOT EXISTS adapters (
 );
 """
 
+SQLValue = str | int | float | bytes | None  # what sqlite3 binds to a parameter
+
 
 class Database:
     def __init__(self, path: Path):
@@ -107,11 +108,11 @@ class Database:
                 raise
             self._conn.execute("COMMIT")
 
-    def execute(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
+    def execute(self, sql: str, args: Sequence[SQLValue] = ()) -> sqlite3.Cursor:
         with self._lock:
             return self._conn.execute(sql, args)
 
-    def query(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def query(self, sql: str, args: Sequence[SQLValue] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._conn.execute(sql, args).fetchall()
 

@@ -7,13 +7,13 @@ adapter sees at serving time the format it was trained on."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.server.errors import APIError
 from deltaserve.server.schemas_inference import ChatMessage
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     out = tokenizer(text, add_special_tokens=False)
     return list(out["input_ids"] if not isinstance(out, list) else out)
 
@@ -24,8 +24,8 @@ def _non_empty(ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: str | list[str] | list[int] | list[list[int]]
-                          ) -> list[int]:
+def completion_prompt_ids(tokenizer: Tokenizer,
+                          prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
     """One prompt per request: a string or a token list (or a list holding one of them)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -37,7 +37,7 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list[str] | list[int] | 
     return _non_empty([int(t) for t in prompt], "prompt")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")

@@ -61,7 +61,7 @@ class EventTranslator:
         self._checkpoint: tuple[int, str] | None = None  # the last one reported
 
     def feed(self, event: TrainingEvent) -> None:
-        """Any thread; never raises into the caller's step (a bug here is the job's, not the
+        """From any thread; never raises into the caller's step (a bug here is the job's, not the
         host's)."""
         with self._lock:
             if isinstance(event, ValidationLoss):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 from starlette.requests import Request
 
 from deltaserve.core.requests import RequestOutput
+from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.server.protocols import InferenceBackend
 
 DISCONNECT_CHECK_S = 0.25  # how often a waiting non-streaming request looks for its client
@@ -75,7 +75,7 @@ class GenerationStream:
 class TextDelta:
     """The text of the output so far, minus what was already sent."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]):
         self.tokenizer = tokenizer
         self.hold_chars = max((len(s) for s in stops), default=1) - 1
         self.sent = ""
@@ -102,7 +102,7 @@ def finish_reason(out: RequestOutput) -> str:
     return "length" if out.finish_reason == "length" else "stop"
 
 
-def final_text(tokenizer: Any, out: RequestOutput) -> str:
+def final_text(tokenizer: Tokenizer, out: RequestOutput) -> str:
     if out.text is not None:
         return out.text
     return tokenizer.decode(list(out.output_token_ids), skip_special_tokens=True)

@@ -115,7 +115,7 @@ def _prepared(parser, tmp_path, *flags: str):
     args = p.parse_args(["smollm2", "--finetune-dataset", str(_alpaca(tmp_path / "d.jsonl")),
                          *SLO, *flags])
     spec = serve.serve_spec(args, names)
-    return serve.prepare_args(args, spec), spec
+    return serve.prepare_args(args, spec.coserve.lora.r), spec
 
 
 def test_binds_loopback_unless_told_and_passes_the_api_key(parser, tmp_path, capsys,

@@ -14,9 +14,10 @@ requests.
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from enum import StrEnum
 
 from vllm.config import VllmConfig
 
@@ -29,18 +30,27 @@ from deltaserve.core.shape import StepShape
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.vllm.link import EngineLink
 from deltaserve.hosts.vllm.training import DelegatedTraining, EngineTraining
+from deltaserve.hosts.vllm.wire import (
+    CALIBRATIONS,
+    CalibrateSpec,
+    JobPoll,
+    JobStart,
+    RemoteStatus,
+    State,
+    encode_event,
+)
 from deltaserve.model.loading import load_tokenizer
 from deltaserve.train.attach import attach, detach
 from deltaserve.train.checkpoint import find_latest
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.coserver import CoServer
+from deltaserve.train.events import TrainingEvent
 
 logger = logging.getLogger("deltaserve.vllm")
 
 # A sweep small enough to finish in about a minute on a 2-core CPU.
 QUICK_CALIBRATION = CalibrationConfig(split_total=128, max_split=4, decode_batches=(1, 4, 16),
                                       decode_kv_lens=(64, 256), ft_totals=(64, 256), repeats=2)
-CALIBRATIONS = ("quick", "full")
 # Serving engine loop: block up to this long in ``schedule()`` when only the backward is busy.
 IDLE_WAIT_S = 0.005
 # In the serving process a client request reaches the scheduler only between steps (vLLM's
@@ -62,27 +72,6 @@ class ServeSpec:
 
     def __post_init__(self) -> None:
         require_choice("finetune_calibration", self.calibration, CALIBRATIONS)
-
-
-class State(StrEnum):
-    DETACHED = "detached"
-    CALIBRATING = "calibrating"
-    COSERVING = "coserving"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class RemoteStatus:
-    """Co-serving in the engine process, as the API server polls it."""
-
-    state: State = State.DETACHED
-    samples: int = 0
-    max_ft_tokens_per_step: int | None = None
-    calibration_points: int = 0
-    optimizer_steps: int = 0
-    ft_tokens_committed: int = 0
-    checkpoint: str | None = None
-    error: str | None = None
 
 
 class EngineProcessHost(DelegatedTraining):
@@ -110,18 +99,25 @@ class EngineProcessHost(DelegatedTraining):
 
 
 class RemoteCoServing:
-    """The co-server of one engine process, from ``begin`` to ``detach``."""
+    """The co-server of one engine process. Two ways in: :meth:`begin` (one dataset for the
+    server's lifetime: calibrate, then attach) and the fine-tuning service's :meth:`calibrate`
+    once, then :meth:`start_job` / :meth:`poll` / :meth:`detach` per job, every job reusing the
+    calibrated latency model (which keeps refitting online while a job co-serves)."""
 
     def __init__(self, link: EngineLink, vllm_config: VllmConfig):
         self.link = link
         self.host = EngineProcessHost(link, vllm_config)
         self.co: CoServer | None = None
+        self.model: LatencyModel | None = None  # the calibrated latency model
         self._status = RemoteStatus()
-        self._spec: ServeSpec | None = None
+        self._coserve: CoServeConfig | None = None  # the start-up config (SLO, LoRA shape)
         self._samples: list[TrainingSample] = []
+        self._lock = threading.Lock()
+        self._events: list[TrainingEvent] = []  # a job's events since the last poll
 
+    # ---- one dataset for the server's lifetime (``--finetune-dataset``) --------------------
     def begin(self, spec: ServeSpec) -> RemoteStatus:
-        if self._status.state in (State.CALIBRATING, State.COSERVING):
+        if self._status.state is not State.DETACHED:
             return self.status()
         try:
             limits = self.host.limits
@@ -132,34 +128,82 @@ class RemoteCoServing:
             assert tokenizer is not None
             self._samples, report = load_dataset(data, tokenizer)
             logger.info("dataset %s: %s", data.path, report.summary())
-            self._spec = spec
-            self.link.idle_wait_s = IDLE_WAIT_S
-            self.link.on_shutdown = self.shutdown
-            self._status = RemoteStatus(State.CALIBRATING, len(self._samples))
-            if spec.latency_model:
-                self._start(LatencyModel.load(spec.latency_model))
-            else:
-                c = spec.coserve
-                self.link.calibration = self.host.training.calibration_run(
-                    c.lora, QUICK_CALIBRATION if spec.calibration == "quick" else None,
-                    c.latency, seed=c.seed, on_done=self._start)
+            self._calibrate(CalibrateSpec(spec.coserve, spec.calibration, spec.latency_model),
+                            len(self._samples), self._attach_dataset)
         except Exception:
             self._status = RemoteStatus(State.FAILED, error=traceback.format_exc())
         return self.status()
 
-    def _start(self, model: LatencyModel) -> None:
+    def _attach_dataset(self, model: LatencyModel) -> None:
         """Calibration done (or a fitted model given): attach the co-server."""
-        self.link.calibration = None
-        assert self._spec is not None
+        self._ready(model)
+        assert self._coserve is not None
         try:
-            c = self._spec.coserve
-            cap = uninterruptible_cap(model, c.slo.ttft_s, c.admission.max_ft_tokens_per_step)
-            config = replace(c, admission=replace(c.admission, max_ft_tokens_per_step=cap))
-            self.co = attach(self.host, dataset=self._samples, config=config,
-                             latency_model=model, progress=False)
-            self._status = RemoteStatus(State.COSERVING, len(self._samples), cap)
+            self._attach(self._coserve, self._samples, [])
         except Exception:
             self._status = RemoteStatus(State.FAILED, error=traceback.format_exc())
+
+    # ---- the fine-tuning service: calibrate once, then one co-server per job ---------------
+    def calibrate(self, spec: CalibrateSpec) -> RemoteStatus:
+        if self._status.state is State.DETACHED:
+            try:
+                self._calibrate(spec, 0, self._ready)
+            except Exception:
+                self._status = RemoteStatus(State.FAILED, error=traceback.format_exc())
+        return self.status()
+
+    def start_job(self, job: JobStart) -> RemoteStatus:
+        """Attach the job's co-server (``RuntimeError`` unless calibrated and idle; a bad
+        sample or checkpoint raises ``InputError``: both reach the caller of the RPC)."""
+        if self._status.state is not State.READY or self.model is None:
+            raise RuntimeError(f"cannot start a job: co-serving is {self._status.state}")
+        with self._lock:
+            self._events.clear()
+        self._attach(job.config, list(job.samples), list(job.validation))
+        return self.status()
+
+    def poll(self) -> JobPoll:
+        with self._lock:
+            events, self._events = self._events, []
+        stats = self.co.stats() if self.co is not None else None
+        return JobPoll(self.status(), stats, tuple(encode_event(e) for e in events))
+
+    # ---- shared -----------------------------------------------------------------------------
+    def _calibrate(self, spec: CalibrateSpec, samples: int,
+                   then: Callable[[LatencyModel], None]) -> None:
+        self._coserve = spec.coserve
+        self.link.idle_wait_s = IDLE_WAIT_S
+        self.link.on_shutdown = self.shutdown
+        self._status = RemoteStatus(State.CALIBRATING, samples)
+        if spec.latency_model:
+            then(LatencyModel.load(spec.latency_model))
+            return
+        c = spec.coserve
+        self.link.calibration = self.host.training.calibration_run(
+            c.lora, QUICK_CALIBRATION if spec.calibration == "quick" else None, c.latency,
+            seed=c.seed, on_done=then)
+
+    def _ready(self, model: LatencyModel) -> None:
+        self.link.calibration = None
+        self.model = model
+        self._status = RemoteStatus(State.READY)
+
+    def _attach(self, config: CoServeConfig, samples: list[TrainingSample],
+                validation: list[TrainingSample]) -> None:
+        assert self.model is not None
+        cap = uninterruptible_cap(self.model, config.slo.ttft_s,
+                                  config.admission.max_ft_tokens_per_step)
+        config = replace(config, admission=replace(config.admission,
+                                                   max_ft_tokens_per_step=cap))
+        co = attach(self.host, dataset=samples, config=config, latency_model=self.model,
+                    progress=False, validation=validation or None)
+        co.subscribe(self._record)
+        self.co = co
+        self._status = RemoteStatus(State.COSERVING, len(samples), cap)
+
+    def _record(self, event: TrainingEvent) -> None:
+        with self._lock:
+            self._events.append(event)
 
     def status(self) -> RemoteStatus:
         s = self._status
@@ -172,18 +216,22 @@ class RemoteCoServing:
                         ft_tokens_committed=stats.ft_tokens_committed)
         return s
 
-    def detach(self, *, drain: bool, checkpoint: bool) -> RemoteStatus:
+    def detach(self, *, drain: bool, checkpoint: bool) -> JobPoll:
+        """Detach the co-server (its last events and counters come back); the calibrated
+        latency model stays, so the next job can start."""
         self.link.calibration = None
         co, self.co = self.co, None
         if co is None:
-            return self.status()
+            return self.poll()
         detach(self.host, co, drain=drain, checkpoint=checkpoint)
         stats, root = co.stats(), co.config.checkpoint.root
         latest = find_latest(root) if checkpoint and root else None
-        self._status = RemoteStatus(State.DETACHED, optimizer_steps=stats.optimizer_steps,
+        self._status = RemoteStatus(State.READY if self.model else State.DETACHED,
+                                    optimizer_steps=stats.optimizer_steps,
                                     ft_tokens_committed=stats.ft_tokens_committed,
                                     checkpoint=str(latest) if latest else None)
-        return self._status
+        poll = self.poll()
+        return replace(poll, stats=stats)
 
     def shutdown(self) -> None:
         """vLLM stops the engine: captured samples go back to the pool, the last committed step

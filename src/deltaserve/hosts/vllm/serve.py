@@ -40,6 +40,7 @@ import uvloop
 from vllm.entrypoints.launchers.api_server.entry import (
     build_and_serve,
     build_async_engine_client,
+    run_server,
 )
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.entrypoints.launchers.launcher import setup_server
@@ -51,8 +52,9 @@ from deltaserve.core.data import DataConfig, load_dataset
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.hosts.vllm.config import SCHEDULER_CLS, WORKER_EXTENSION_CLS, lora_rank_for
-from deltaserve.hosts.vllm.remote import CALIBRATIONS, RemoteStatus, ServeSpec, State
+from deltaserve.hosts.vllm.remote import ServeSpec
 from deltaserve.hosts.vllm.version import import_vllm
+from deltaserve.hosts.vllm.wire import CALIBRATIONS, RemoteStatus, State
 from deltaserve.model.loading import load_tokenizer, resolve_model
 from deltaserve.train.buffer import BufferSave
 from deltaserve.train.config import CoServeConfig
@@ -66,8 +68,10 @@ Flags = dict[str, str]
 def add_coserve_args(parser: argparse.ArgumentParser) -> Flags:
     """The co-serving flags (``--finetune-*``, ``--bind``; vLLM owns every other name)."""
     g = parser.add_argument_group("DeltaServe co-serving")
-    g.add_argument("--finetune-dataset", required=True,
-                   help="fine-tuning data: Alpaca JSON/JSONL, chat JSONL or ShareGPT")
+    g.add_argument("--finetune-dataset", default=None,
+                   help="fine-tuning data (Alpaca JSON/JSONL, chat JSONL or ShareGPT) trained "
+                   "for the server's lifetime; without it the server is the fine-tuning "
+                   "service (Files and Fine-tuning Jobs API)")
     g.add_argument("--finetune-calibration", choices=CALIBRATIONS, default="quick",
                    help="the start-up calibration sweep (default: %(default)s)")
     g.add_argument("--finetune-latency-model", default=None,
@@ -89,9 +93,9 @@ def build_parser() -> tuple[FlexibleArgumentParser, Flags]:
 
 
 # ---- everything checked before vLLM loads the model -----------------------------------------
-def serve_spec(args: argparse.Namespace, flags: Flags) -> ServeSpec:
-    """The co-serving spec from the parsed flags, every flag checked (``InputError`` naming the
-    flag and value) and nothing heavy loaded: no model, no engine."""
+def coserve_config(args: argparse.Namespace, flags: Flags) -> CoServeConfig:
+    """The co-serving config from the ``--finetune-*`` flags, each checked (``InputError``
+    naming the flag and value), and the latency-model file if one is given."""
     for dest in ("finetune.slo.ttft_s", "finetune.slo.tpot_s"):
         if getattr(args, dest) is None:
             raise InputError(flags[dest], None, "required: the objective in seconds")
@@ -100,15 +104,24 @@ def serve_spec(args: argparse.Namespace, flags: Flags) -> ServeSpec:
         raise InputError(flags["finetune.backward.buffer_save"], coserve.backward.buffer_save.value,
                          "the vLLM host captures the residual stream only")
     lora_rank_for(coserve.lora.r)
-    data = checked_from_args(DataConfig, args, flags, "finetune_data.",
-                             path=args.finetune_dataset)
-    _check_dataset(args, data)
     if args.finetune_latency_model is not None:
         try:
             LatencyModel.load(args.finetune_latency_model)
         except (InputError, OSError) as e:
             raise InputError("--finetune-latency-model", args.finetune_latency_model,
                              str(e)) from e
+    return coserve
+
+
+def serve_spec(args: argparse.Namespace, flags: Flags) -> ServeSpec:
+    """The co-serving spec from the parsed flags, every flag checked (``InputError`` naming the
+    flag and value) and nothing heavy loaded: no model, no engine."""
+    if args.finetune_dataset is None:
+        raise InputError("--finetune-dataset", None, "required to co-serve one dataset")
+    coserve = coserve_config(args, flags)
+    data = checked_from_args(DataConfig, args, flags, "finetune_data.",
+                             path=args.finetune_dataset)
+    _check_dataset(args, data)
     coserve = _with_checkpoint_dir(coserve, flags["finetune.checkpoint.root"])
     return ServeSpec(coserve, data, args.finetune_calibration, args.finetune_latency_model)
 
@@ -152,7 +165,7 @@ def _with_checkpoint_dir(coserve: CoServeConfig, flag: str) -> CoServeConfig:
     return replace(coserve, checkpoint=replace(coserve.checkpoint, root=str(path)))
 
 
-def prepare_args(args: argparse.Namespace, spec: ServeSpec) -> argparse.Namespace:
+def prepare_args(args: argparse.Namespace, lora_r: int) -> argparse.Namespace:
     """Resolve the model, pick the listening address, set the engine flags co-serving needs."""
     if args.bind is not None and args.host is not None and args.bind != args.host:
         raise InputError("--bind", args.bind, f"vLLM's --host says {args.host}; give one")
@@ -164,7 +177,7 @@ def prepare_args(args: argparse.Namespace, spec: ServeSpec) -> argparse.Namespac
     args.scheduler_cls = SCHEDULER_CLS
     args.worker_extension_cls = WORKER_EXTENSION_CLS
     args.enable_lora = True
-    args.max_lora_rank = max(args.max_lora_rank or 0, lora_rank_for(spec.coserve.lora.r))
+    args.max_lora_rank = max(args.max_lora_rank or 0, lora_rank_for(lora_r))
     args.max_loras = max(args.max_loras or 1, 2)  # the pinned training slot + client adapters
     args.async_scheduling = False
     args.enforce_eager = True
@@ -196,16 +209,28 @@ async def _serve(args: argparse.Namespace, spec: ServeSpec) -> None:
         sock.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``deltaserve serve --engine vllm``; ``argv``: everything after it."""
-    import_vllm()  # CPU defaults, the single-process engine core, the plugin's version check
-    parser, flags = build_parser()
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace, flags: Flags) -> int:
+    """Serve one dataset (``--finetune-dataset``) for the server's lifetime."""
     spec = serve_spec(args, flags)
-    args = prepare_args(args, spec)
+    args = prepare_args(args, spec.coserve.lora.r)
     validate_parsed_serve_args(args)
     uvloop.run(_serve(args, spec))
     return 0
+
+
+def run_vllm_server(args: argparse.Namespace) -> None:
+    """vLLM's own server start-up, unchanged (its plugins mount what DeltaServe adds)."""
+    validate_parsed_serve_args(args)
+    uvloop.run(run_server(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``deltaserve serve --engine vllm MODEL --finetune-dataset PATH``; ``argv``: everything
+    after ``--engine vllm`` (the fine-tuning service, without a dataset, is
+    :mod:`deltaserve.server.vllm_serve`)."""
+    import_vllm()  # CPU defaults, the single-process engine core, the plugin's version check
+    parser, flags = build_parser()
+    return run(parser.parse_args(argv), flags)
 
 
 if __name__ == "__main__":

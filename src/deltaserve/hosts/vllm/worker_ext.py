@@ -25,6 +25,7 @@ from deltaserve.hosts.vllm.link import link_for
 from deltaserve.hosts.vllm.remote import RemoteCoServing, ServeSpec
 from deltaserve.hosts.vllm.version import check_version
 from deltaserve.hosts.vllm.weights import views_available
+from deltaserve.hosts.vllm.wire import CalibrateSpec, JobStart
 
 JSON = dict[str, JSONValue]
 
@@ -85,7 +86,22 @@ class CoServingWorkerExtension:
         return to_dict(self._deltaserve_remote().status())
 
     def deltaserve_detach(self, drain: bool = True, checkpoint: bool = True) -> JSON:
+        """Detach the co-server: a :class:`JobPoll` with its last events and counters."""
         return to_dict(self._deltaserve_remote().detach(drain=drain, checkpoint=checkpoint))
+
+    # ---- the fine-tuning service: calibrate once, one co-server per job ---------------------
+    def deltaserve_calibrate(self, spec: JSON) -> JSON:
+        """Calibrate for a :class:`CalibrateSpec` (as JSON); poll :meth:`deltaserve_status`
+        until it leaves ``calibrating`` (``ready``: a job may start)."""
+        return to_dict(self._deltaserve_remote().calibrate(from_dict(CalibrateSpec, spec)))
+
+    def deltaserve_job_start(self, job: JSON) -> JSON:
+        """Attach a :class:`JobStart`'s co-server (as JSON); its status."""
+        return to_dict(self._deltaserve_remote().start_job(from_dict(JobStart, job)))
+
+    def deltaserve_job_poll(self) -> JSON:
+        """The job's training events since the last poll, its counters and the status."""
+        return to_dict(self._deltaserve_remote().poll())
 
     def _deltaserve_remote(self) -> RemoteCoServing:
         side = getattr(self, "deltaserve_remote", None)

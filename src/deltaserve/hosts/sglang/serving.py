@@ -45,6 +45,9 @@ class ServingScheduler(CoServingScheduler):
         self._stop_asked = False
         self._last_status_s = 0.0
         signal.signal(signal.SIGUSR1, self._ask_stop)
+        # Ctrl-C reaches the whole process group: the scheduler keeps running until
+        # `deltaserve serve` (which got it too) has it checkpoint (SIGUSR1); SGLang ends it then.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self._attach()
 
     def _report(self, state: ServeState, error: str | None = None) -> None:

@@ -52,7 +52,7 @@ class ServingScheduler(CoServingScheduler):
 
     def _write_status(self, state: ServeState, error: str | None = None) -> None:
         co = self._co
-        ServeStatus(state, os.getpid(), len(co.book.pool) if co else 0,
+        ServeStatus(state, os.getpid(), co.book.progress().num_samples if co else 0,
                     co.stats() if co else None, error).write(self._status_path)
         self._last_status_s = time.monotonic()
 
@@ -75,7 +75,7 @@ class ServingScheduler(CoServingScheduler):
             return
         self._write_status(ServeState.COSERVING)
         logger.warning("DeltaServe: co-serving %d samples in SGLang's scheduler (pid %d)",
-                       len(self._co.book.pool), os.getpid())
+                       self._co.book.progress().num_samples, os.getpid())
 
     def _ask_stop(self, signum: int, frame: Any) -> None:
         self._stop_asked = True  # acted on in the loop, between steps

@@ -125,6 +125,7 @@ def assert_training_adapter_unreachable(client, model: str, port: int) -> None:
     assert TRAIN_ADAPTER not in {m.id for m in client.models.list().data}
 
 
+@pytest.mark.timeout(1800)  # a hang guard: start, train and stop take minutes on 2 shared cores
 def test_serve_coserves_inside_sglangs_own_server(latency, hf_model, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -160,7 +161,7 @@ def test_serve_coserves_inside_sglangs_own_server(latency, hf_model, tmp_path):
 
         wait_for(trained, 600, proc)  # idle time trains
         proc.send_signal(signal.SIGINT)
-        proc.wait(300)
+        assert proc.wait(300) == 0  # a clean stop: checkpoint, then SGLang's processes end
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -30,6 +30,7 @@ from typing import Any
 
 from sglang.srt.entrypoints.http_server import launch_server
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import kill_process_tree
 
 from deltaserve.cli_flags import add_dataclass_flags, checked_from_args
 from deltaserve.core.data import DataConfig, load_dataset
@@ -177,9 +178,13 @@ def run(args: Any, config: ServeConfig) -> None:
               f"status in {status_path}", file=sys.stderr, flush=True)
         try:
             launch_server(args)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C / SIGINT: the HTTP server stopped; shut down in order below
         finally:
             final = stop_coserving(status_path)
             print(f"deltaserve: co-serving ended: {final}", file=sys.stderr, flush=True)
+            # SGLang's processes (the scheduler ignores SIGINT) end as SGLang ends them
+            kill_process_tree(os.getpid(), include_parent=False)
 
 
 def main(argv: list[str] | None = None) -> int:

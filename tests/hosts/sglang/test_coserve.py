@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from array import array
 
 import pytest
 
 pytest.importorskip("sglang", reason="needs the SGLang venv (.venv-sglang: bash "
                     "scripts/bootstrap.sh --sglang)")
+
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 
 from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.latency_model import Equation
@@ -155,4 +158,33 @@ def test_samples_sglang_does_not_take_whole_go_back_to_the_pool(host, latency):
     finally:
         sched.chunked_prefill_size = budget
         co.plan = plan
+        host.detach(drain=False, checkpoint=False)
+
+
+def test_a_client_carrying_the_training_adapters_id_is_refused(host, latency):
+    """SGLang's native API takes a raw ``lora_id``; the training adapter's is refused before
+    the request runs, and SGLang keeps serving."""
+    coserve(host, latency, fx.samples(4))
+    sched, rid = host.scheduler, "client-with-train-id."
+    train_id = sched.deltaserve_train_lora_id
+    assert train_id is not None
+    req = TokenizedGenerateReqInput(
+        rid=rid, input_text=None, input_ids=array("q", [1, 2, 3, 4]), input_embeds=None,
+        mm_inputs=None, token_type_ids=None,
+        sampling_params=host._params(SamplingParams(max_tokens=4)), return_logprob=False,
+        logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=True,
+        lora_id=train_id)
+    try:
+        sched.deltaserve_submit(req, time.monotonic())
+        assert all(r.lora_id is None for r in sched.waiting_queue if r.rid == rid)
+        finish, deadline = None, time.monotonic() + 300
+        while finish is None and time.monotonic() < deadline:
+            host.runtime.step()
+            finish = next((o.finish_reason for o in host.runtime.drain(0.05)
+                           if o.rid == rid and o.finish_reason), None)
+        assert finish is not None and finish["type"] == "abort", finish
+        assert "reserved for training" in finish["message"]
+        assert host.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].finish_reason \
+            == "length"  # SGLang serves on
+    finally:
         host.detach(drain=False, checkpoint=False)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger("deltaserve.sglang")
@@ -86,8 +87,6 @@ def register_pin_memory_shim() -> bool:
     its plugins ran (``load_plugins``). Returns whether the shim was registered."""
     if not shim_needed():
         return False
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     for target in LORA_ENTRY_POINTS:
         HookRegistry.register(target, without_pinning, HookType.AROUND)
     logger.warning("DeltaServe: no CUDA device, so SGLang's LoRA code allocates ordinary host "

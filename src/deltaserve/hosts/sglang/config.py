@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sglang.srt.server_args import ServerArgs
+
 from deltaserve.core.errors import require
 from deltaserve.hosts.config import HostConfig
 from deltaserve.model.lora import ALL_MODULES, LoRAConfig
@@ -50,8 +52,6 @@ class SGLangConfig(HostConfig):
 
     def server_args(self, model_path: str, dtype: str, model_len: int) -> Any:
         """SGLang's ``ServerArgs`` for this config (``dtype`` resolved, e.g. ``float32``)."""
-        from sglang.srt.server_args import ServerArgs
-
         return ServerArgs(
             model_path=model_path, dtype=dtype, context_length=model_len,
             max_total_tokens=self.kv_cache_tokens, max_running_requests=self.max_num_seqs,

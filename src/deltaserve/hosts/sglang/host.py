@@ -16,6 +16,8 @@ import threading
 from array import array
 
 import torch
+from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from sglang.srt.sampling.sampling_params import SamplingParams as SGLangParams
 
 from deltaserve.core.calibration import CalibrationConfig, HostLimits
 from deltaserve.core.contract import CoServingHooks
@@ -105,8 +107,6 @@ class SGLangHost(BaseHost):
 
     # ---- the engine half --------------------------------------------------------------------
     def _engine_submit(self, req: ClientRequest) -> None:
-        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
-
         self._flush_loads()
         rid = f"{req.request_id}."  # "." ends it: SGLang aborts by id prefix
         self._rids[rid] = req.request_id
@@ -117,9 +117,7 @@ class SGLangHost(BaseHost):
             token_ids_logprob=None, stream=True,
             lora_id=self._lora_ids[req.adapter] if req.adapter else None), req.arrival_s)
 
-    def _params(self, p: SamplingParams):
-        from sglang.srt.sampling.sampling_params import SamplingParams as SGLangParams
-
+    def _params(self, p: SamplingParams) -> SGLangParams:
         params = SGLangParams(max_new_tokens=p.max_tokens, temperature=p.temperature,
                               top_p=p.top_p, sampling_seed=p.seed, stop=list(p.stop) or None,
                               stop_token_ids=list(p.stop_token_ids) or None,
@@ -129,8 +127,6 @@ class SGLangHost(BaseHost):
         return params
 
     def _engine_abort(self, request_id: str) -> None:
-        from sglang.srt.managers.io_struct import AbortReq
-
         rid = f"{request_id}."
         self._rids.pop(rid, None)
         self.scheduler.abort_request(AbortReq(rid=rid))

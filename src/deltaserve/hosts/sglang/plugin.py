@@ -24,8 +24,12 @@ without CUDA its LoRA then fails as it does without DeltaServe; ``DELTASERVE_SGL
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+
+import sglang
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from deltaserve.hosts.sglang.compat import register_pin_memory_shim
 from deltaserve.hosts.sglang.version import ACTIVE_ENV, SERVE_ENV, check_version
@@ -33,20 +37,19 @@ from deltaserve.hosts.sglang.version import ACTIVE_ENV, SERVE_ENV, check_version
 logger = logging.getLogger("deltaserve.sglang")
 
 SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler"
+# DeltaServe's scheduler by whether `deltaserve serve` drives SGLang's server (co-serving from
+# start) or a host builds the scheduler itself. Named, not imported: a plain SGLang process
+# with the plugin installed never imports DeltaServe's scheduler (and torch-side training code).
+SCHEDULERS = {True: ("deltaserve.hosts.sglang.serving", "ServingScheduler"),
+              False: ("deltaserve.hosts.sglang.scheduler", "CoServingScheduler")}
 
 
 def register() -> None:
     if not os.environ.get(ACTIVE_ENV):
         return
-    import sglang
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     check_version(str(sglang.__version__))
     register_pin_memory_shim()
-    if os.environ.get(SERVE_ENV):  # `deltaserve serve --engine sglang`: co-serving from start
-        from deltaserve.hosts.sglang.serving import ServingScheduler as scheduler_cls
-    else:
-        from deltaserve.hosts.sglang.scheduler import CoServingScheduler as scheduler_cls
-
+    module, name = SCHEDULERS[bool(os.environ.get(SERVE_ENV))]
+    scheduler_cls = getattr(importlib.import_module(module), name)  # the lazy import
     HookRegistry.register(SCHEDULER_TARGET, scheduler_cls, HookType.REPLACE)
     logger.debug("DeltaServe SGLang plugin: SGLang %s, pid %d", sglang.__version__, os.getpid())

@@ -21,6 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+from sglang.srt.distributed.parallel_state import cleanup_dist_env_and_memory
+from sglang.srt.managers.io_struct import sock_recv
+from sglang.srt.plugins import load_plugins
+from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+from sglang.srt.server_args import PortArgs
+from sglang.srt.utils.network import get_zmq_socket
+
+from deltaserve.hosts.sglang.scheduler import CoServingScheduler
 from deltaserve.hosts.sglang.version import import_sglang
 
 _live: list[InProcessRuntime] = []  # at most one: SGLang's parallel runtime is per process
@@ -37,16 +46,7 @@ class Output:
 
 class InProcessRuntime:
     def __init__(self, server_args: Any):
-        import zmq
-
-        import_sglang()
-        from sglang.srt.plugins import load_plugins
-        from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
-        from sglang.srt.server_args import PortArgs
-        from sglang.srt.utils.network import get_zmq_socket
-
-        from deltaserve.hosts.sglang.scheduler import CoServingScheduler
-
+        import_sglang()  # marks this process as driven by DeltaServe: the plugin acts
         if _live:
             raise RuntimeError("one SGLang host per process: close the running one first "
                                "(SGLang's parallel runtime is process-global)")
@@ -72,9 +72,6 @@ class InProcessRuntime:
     def drain(self, wait_s: float = 0.0) -> list[Output]:
         """Every output message SGLang sent since the last call (waiting up to ``wait_s`` for
         the first: ZMQ delivers asynchronously, within microseconds on one machine)."""
-        import zmq
-        from sglang.srt.managers.io_struct import sock_recv
-
         out: list[Output] = []
         timeout_ms = int(wait_s * 1000)
         while self._outputs.poll(timeout_ms):
@@ -86,8 +83,6 @@ class InProcessRuntime:
 
     def close(self) -> None:
         """Remove DeltaServe's hooks, close the sockets and tear SGLang's runtime down."""
-        from sglang.srt.distributed.parallel_state import cleanup_dist_env_and_memory
-
         if self not in _live:
             return
         self.scheduler.deltaserve_hooks.remove()

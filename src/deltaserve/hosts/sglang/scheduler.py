@@ -117,13 +117,25 @@ class CoServingScheduler(Scheduler):
         self.handle_generate_request(recv_req)
 
     def handle_generate_request(self, recv_req: Any) -> Any:
-        if recv_req.rid not in self.deltaserve_hidden:
-            if recv_req.rid not in self.deltaserve_clock:  # SGLang's own server
-                self.deltaserve_clock.arrived(recv_req.rid, time.monotonic())
-            if self.deltaserve_co is not None:
-                self.deltaserve_co.on_arrival()
-            self.deltaserve_wake.set()
-        return super().handle_generate_request(recv_req)
+        if recv_req.rid in self.deltaserve_hidden:
+            return super().handle_generate_request(recv_req)
+        if recv_req.rid not in self.deltaserve_clock:  # SGLang's own server
+            self.deltaserve_clock.arrived(recv_req.rid, time.monotonic())
+        if self.deltaserve_co is not None:
+            self.deltaserve_co.on_arrival()
+        self.deltaserve_wake.set()
+        train_id = self.deltaserve_train_lora_id
+        if train_id is None or recv_req.lora_id != train_id:
+            return super().handle_generate_request(recv_req)
+        # A client naming the training adapter's id (SGLang's native API takes a raw
+        # lora_id): finished with an error before it runs, on the base model, as SGLang
+        # refuses an invalid request (raising here would stop the scheduler).
+        recv_req.lora_id = None
+        out = super().handle_generate_request(recv_req)
+        for req in self.waiting_queue:
+            if req.rid == recv_req.rid:
+                req.set_finish_with_abort(f"adapter {train_id!r} is reserved for training")
+        return out
 
     def abort_request(self, recv_req: Any) -> Any:
         clock = self.deltaserve_clock

@@ -5,12 +5,15 @@ Every ``sglang serve`` flag is accepted (SGLang's own parser), plus the ``--fine
 generated from :class:`~deltaserve.hosts.sglang.serve_config.ServeConfig`. ``--model-path`` also
 takes DeltaServe's built-in names (``smollm2``). DeltaServe sets what it depends on: the normal
 (non-overlapped) scheduler loop, LoRA with room for the training adapter, arrival-order
-scheduling, and SGLang's CPU path (the only one this host was built and tested on). The dataset
-and the latency model are checked before SGLang starts. SGLang then starts as it always does,
-with DeltaServe's scheduler in its scheduler process
-(:class:`~deltaserve.hosts.sglang.serving.ServingScheduler`), which reports through a status
-file (printed at start). When the HTTP server stops, the scheduler is asked to checkpoint the
-last committed step before SGLang ends its processes.
+scheduling, and SGLang's CPU path (the only one this host was built and tested on); a flag given
+against one of those is an error. Every co-serving flag, the model, the dataset (row by row),
+the latency model and the checkpoint directory are checked before SGLang starts, and an error
+names the flag and its value. SGLang then starts as it always does, with DeltaServe's scheduler
+in its scheduler process (:class:`~deltaserve.hosts.sglang.serving.ServingScheduler`), which
+reports through a status file (printed at start). When the HTTP server stops, the scheduler is
+asked to checkpoint the last committed step before SGLang ends its processes. Without
+``--finetune-checkpoint-dir`` checkpoints go to a fresh directory under
+``deltaserve-data/sglang-serve/`` (printed), so no training is discarded at shutdown.
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from deltaserve.cli_flags import add_dataclass_flags, from_args
+from sglang.srt.entrypoints.http_server import launch_server
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import kill_process_tree
+
+from deltaserve.cli_flags import add_dataclass_flags, checked_from_args
 from deltaserve.core.data import DataConfig, load_dataset
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
@@ -35,29 +42,58 @@ from deltaserve.hosts.sglang.version import SERVE_ENV, import_sglang
 from deltaserve.model.loading import load_tokenizer, resolve_model
 
 STOP_WAIT_S = 120.0
+CHECKPOINT_PARENT = Path("deltaserve-data") / "sglang-serve"  # without a checkpoint dir
+DEST = "finetune."
+Flags = dict[str, str]
 
 
-def parse(argv: list[str]) -> tuple[Any, ServeConfig]:
-    """SGLang's server arguments and the co-serving config."""
-    from sglang.srt.server_args import ServerArgs
-
+def build_parser() -> tuple[argparse.ArgumentParser, Flags]:
+    """SGLang's own parser plus the co-serving flags (every flag by its ``dest``)."""
     parser = argparse.ArgumentParser(
         prog="deltaserve serve --engine sglang",
         description="SGLang's OpenAI-compatible server with LoRA fine-tuning co-served")
     ServerArgs.add_cli_args(parser)
-    add_dataclass_flags(parser.add_argument_group("DeltaServe co-serving"), ServeConfig,
-                        prefix="finetune-")
+    flags = add_dataclass_flags(parser.add_argument_group("DeltaServe co-serving"),
+                                ServeConfig, prefix="finetune-", dest=DEST)
+    return parser, flags
+
+
+def parse(argv: list[str]) -> tuple[Any, ServeConfig]:
+    """SGLang's server arguments and the co-serving config, every input checked (an
+    :class:`InputError` naming the flag and its value) before anything heavy loads."""
+    parser, flags = build_parser()
     ns = parser.parse_args(argv)
-    config = from_args(ServeConfig, ns)
-    config = replace(config, status_file=str(config.status_path()))
-    args = ServerArgs.from_cli_args(ns)
-    args.model_path = str(resolve_model(args.model_path))
-    return prepare(args, config), config
+    config: ServeConfig = checked_from_args(ServeConfig, ns, flags, DEST)
+    check_engine_flags(ns, parser)
+    try:
+        ns.model_path = str(resolve_model(ns.model_path))
+    except InputError as e:
+        raise InputError("--model-path", ns.model_path, e.reason) from e
+    args = prepare(ServerArgs.from_cli_args(ns), config)
+    check_dataset(args, config)
+    if config.latency_model:
+        try:
+            LatencyModel.load(config.latency_model)
+        except (InputError, OSError, ValueError, KeyError) as e:
+            raise InputError(flags[f"{DEST}latency_model"], config.latency_model,
+                             f"not a latency model: {e}") from e
+    config = with_checkpoint_dir(config, flags[f"{DEST}checkpoint.root"])
+    return args, replace(config, status_file=str(config.status_path()))
+
+
+def check_engine_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """A SGLang flag given against what co-serving needs (REQUIRED_ARGS, CPU_ARGS) is an error
+    rather than silently overridden."""
+    for name, needed in {**REQUIRED_ARGS, **CPU_ARGS}.items():
+        given = getattr(ns, name, None)
+        if given not in (None, needed, parser.get_default(name)):
+            flag = "--" + name.replace("_", "-")
+            raise InputError(flag, given, f"DeltaServe co-serving needs {needed!r} here")
 
 
 def prepare(args: Any, config: ServeConfig) -> Any:
-    """The server arguments co-serving depends on (an explicit value that contradicts them is
-    an error)."""
+    """The server arguments co-serving depends on: the required ones, and a LoRA pool with
+    room for the training adapter (its rank and modules) beside a client's."""
     for name, value in {**REQUIRED_ARGS, **CPU_ARGS}.items():
         setattr(args, name, value)
     lora = config.lora
@@ -69,16 +105,46 @@ def prepare(args: Any, config: ServeConfig) -> Any:
     return args
 
 
-def check_inputs(args: Any, config: ServeConfig) -> int:
-    """Bad data fails here, before SGLang loads anything. Returns the number of samples."""
-    tok = load_tokenizer(args.model_path)
-    limit = args.chunked_prefill_size if args.chunked_prefill_size else None
-    samples, _ = load_dataset(DataConfig(config.dataset or "", max_tokens=limit), tok)
+def check_dataset(args: Any, config: ServeConfig) -> int:
+    """Parse and tokenize every row now (an error names the line); returns the sample count.
+    A sample must fit one step whole (``--chunked-prefill-size``)."""
+    flag, path = "--finetune-dataset", config.dataset or ""
+    try:
+        tok = load_tokenizer(Path(args.model_path))
+    except (OSError, ValueError) as e:
+        raise InputError("--model-path", args.model_path, f"cannot load its tokenizer: {e}") \
+            from e
+    limits = [n for n in (args.chunked_prefill_size, args.context_length) if n and n > 0]
+    data = DataConfig(path, max_tokens=min(limits)) if limits else DataConfig(path)
+    try:
+        samples, report = load_dataset(data, tok)
+    except OSError as e:
+        raise InputError(flag, path, f"cannot read it: {e}") from e
+    except InputError as e:  # the row's line (and record) stay in the message
+        reason = e.reason if e.line is None else f"{e.field}={e.value!r}: {e.reason}"
+        raise InputError(flag, path, reason, line=e.line, record=e.record) from e
     if not samples:
-        raise InputError("finetune_dataset", config.dataset, "holds no usable sample")
-    if config.latency_model:
-        LatencyModel.load(config.latency_model)
+        raise InputError(flag, path, f"no usable sample: {report.summary()}")
+    print(f"deltaserve: dataset {path}: {report.summary()}", file=sys.stderr, flush=True)
     return len(samples)
+
+
+def with_checkpoint_dir(config: ServeConfig, flag: str) -> ServeConfig:
+    """The checkpoint directory, created and writable (a fresh one when none is given)."""
+    root = config.checkpoint.root
+    if root is None:
+        root = str(CHECKPOINT_PARENT / time.strftime("checkpoints-%Y%m%d-%H%M%S"))
+        print(f"deltaserve: WARNING: no {flag} given: training is checkpointed under {root} "
+              f"(pass {flag} {root} to resume it)", file=sys.stderr, flush=True)
+    path = Path(root).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".deltaserve-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise InputError(flag, root, f"not a writable directory: {e}") from e
+    return replace(config, checkpoint=replace(config.checkpoint, root=str(path)))
 
 
 def stop_coserving(status_path: Path) -> ServeStatus | None:
@@ -99,24 +165,35 @@ def stop_coserving(status_path: Path) -> ServeStatus | None:
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``deltaserve serve --engine sglang``."""
-    import_sglang()  # marks SGLang's processes as driven by DeltaServe (the plugin acts)
-    from sglang.srt.entrypoints.http_server import launch_server
-
-    args, config = parse(sys.argv[1:] if argv is None else argv)
-    n = check_inputs(args, config)
+def run(args: Any, config: ServeConfig) -> None:
+    """SGLang's server, its scheduler process co-serving; on return training is checkpointed."""
     status_path = Path(config.status_file or "")
     status_path.parent.mkdir(parents=True, exist_ok=True)
+    status_path.unlink(missing_ok=True)  # a previous run's report is not this one's
     with tempfile.TemporaryDirectory(prefix="deltaserve-serve-") as tmp:
         spec = Path(tmp) / "serve_config.pickle"
         config.write(spec)
         os.environ[SERVE_ENV] = str(spec)
-        print(f"deltaserve: co-serving {n} samples inside SGLang; status in {status_path}",
-              file=sys.stderr, flush=True)
+        print(f"deltaserve: co-serving inside SGLang; checkpoints in {config.checkpoint.root}; "
+              f"status in {status_path}", file=sys.stderr, flush=True)
         try:
             launch_server(args)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C / SIGINT: the HTTP server stopped; shut down in order below
         finally:
             final = stop_coserving(status_path)
             print(f"deltaserve: co-serving ended: {final}", file=sys.stderr, flush=True)
+            # SGLang's processes (the scheduler ignores SIGINT) end as SGLang ends them
+            kill_process_tree(os.getpid(), include_parent=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``deltaserve serve --engine sglang``; ``argv``: everything after it."""
+    import_sglang()  # marks SGLang's processes as driven by DeltaServe (the plugin acts)
+    try:
+        args, config = parse(sys.argv[1:] if argv is None else argv)
+    except InputError as e:
+        print(f"deltaserve: error: {e}", file=sys.stderr)
+        return 2
+    run(args, config)
     return 0

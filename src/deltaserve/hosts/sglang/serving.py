@@ -45,22 +45,25 @@ class ServingScheduler(CoServingScheduler):
         self._stop_asked = False
         self._last_status_s = 0.0
         signal.signal(signal.SIGUSR1, self._ask_stop)
-        self._attach()
+        # Ctrl-C reaches the whole process group: the scheduler keeps running until
+        # `deltaserve serve` (which got it too) has it checkpoint (SIGUSR1); SGLang ends it then.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._attach_coserver()
 
-    def _report(self, state: ServeState, error: str | None = None) -> None:
+    def _write_status(self, state: ServeState, error: str | None = None) -> None:
         co = self._co
-        ServeStatus(state, os.getpid(), len(co.book.pool) if co else 0,
+        ServeStatus(state, os.getpid(), co.book.progress().num_samples if co else 0,
                     co.stats() if co else None, error).write(self._status_path)
         self._last_status_s = time.monotonic()
 
-    def _attach(self) -> None:
+    def _attach_coserver(self) -> None:
         path = Path(self.server_args.model_path)
-        self._report(ServeState.STARTING)
+        self._write_status(ServeState.STARTING)
         try:
             self._port = port = SchedulerTrainingHost(
                 self, path, read_config(path), load_tokenizer(path), self.deltaserve_limits())
             if self._serve.latency_model is None:
-                self._report(ServeState.CALIBRATING)
+                self._write_status(ServeState.CALIBRATING)
             self._co = attach(port, dataset=self._serve.dataset or "",
                               config=self._serve.coserve(),
                               latency_model=self._serve.latency_model, progress=False)
@@ -68,11 +71,11 @@ class ServingScheduler(CoServingScheduler):
             logger.exception("DeltaServe: co-serving did not start; SGLang serves inference "
                              "alone")
             self.deltaserve_co = None
-            self._report(ServeState.FAILED, f"{type(e).__name__}: {e}")
+            self._write_status(ServeState.FAILED, f"{type(e).__name__}: {e}")
             return
-        self._report(ServeState.COSERVING)
+        self._write_status(ServeState.COSERVING)
         logger.warning("DeltaServe: co-serving %d samples in SGLang's scheduler (pid %d)",
-                       len(self._co.book.pool), os.getpid())
+                       self._co.book.progress().num_samples, os.getpid())
 
     def _ask_stop(self, signum: int, frame: Any) -> None:
         self._stop_asked = True  # acted on in the loop, between steps
@@ -84,7 +87,7 @@ class ServingScheduler(CoServingScheduler):
             detach(self._port, co, drain=False, checkpoint=True)
             ServeStatus(ServeState.STOPPED, os.getpid(), 0, co.stats()).write(self._status_path)
         elif self._co is not None and time.monotonic() - self._last_status_s > STATUS_EVERY_S:
-            self._report(ServeState.COSERVING)
+            self._write_status(ServeState.COSERVING)
 
     def on_idle(self) -> None:
         super().on_idle()

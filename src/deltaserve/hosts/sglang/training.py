@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
 
 from deltaserve.core.calibration import CalibrationConfig, HostLimits
 from deltaserve.core.contract import CoServingHooks
@@ -126,8 +127,6 @@ class SchedulerTrainingHost:
 
     def load(self, name: str, path: str, *, pinned: bool = False) -> str:
         """Load the PEFT adapter at ``path`` into SGLang as ``name``; returns its SGLang id."""
-        from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
-
         lora_id = uuid.uuid4().hex
         out = self.scheduler.load_lora_adapter(LoadLoRAAdapterReqInput(
             lora_name=name, lora_path=path, pinned=pinned, lora_id=lora_id))
@@ -141,8 +140,6 @@ class SchedulerTrainingHost:
         return self.load(name, str(path), pinned=pinned)
 
     def unload(self, name: str, lora_id: str) -> None:
-        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
-
         self.scheduler.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name,
                                                                      lora_id=lora_id))
 

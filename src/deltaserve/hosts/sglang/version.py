@@ -8,6 +8,7 @@ DeltaServe class touches them.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from types import ModuleType
@@ -47,7 +48,6 @@ def import_sglang() -> ModuleType:
         raise ImportError("the SGLang host needs SGLang: create its environment with "
                           "`bash scripts/bootstrap.sh --sglang` and use .venv-sglang")
     os.environ[ACTIVE_ENV] = "1"
-    import sglang
-
+    sglang = importlib.import_module("sglang")  # the lazy engine import
     check_version(str(sglang.__version__))
     return sglang

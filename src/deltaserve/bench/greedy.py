@@ -25,15 +25,10 @@ class GreedyScheduler(AdmissionScheduler):
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
              batch_room_tokens: int | None = None) -> AdmissionPlan:
         proposed = view.proposed
-        skip = self._precheck(view, backward_running)
-        if skip is None and batch_room_tokens is not None and batch_room_tokens <= 0:
-            skip = Skip.BUFFER_FULL
+        skip = self._gate(view, backward_running, batch_room_tokens)
         if skip is not None:
             return AdmissionPlan((), proposed, None, math.nan, skip)
-        room_tokens = min(self.limits.max_tokens_per_step - proposed.num_tokens,
-                          self.config.max_ft_tokens_per_step, self.ledger.largest_free_run)
-        room_seqs = self.limits.max_seqs_per_step - proposed.num_seqs
-        batch_room = math.inf if batch_room_tokens is None else batch_room_tokens
+        room_tokens, room_seqs, batch_room = self._room(proposed, batch_room_tokens)
         lens: list[int] = []
         tok, stop = 0, Skip.POOL_EMPTY
         for _, n in self.pool.iter_available():

@@ -167,6 +167,24 @@ class AdmissionScheduler:
             tpot_slack_s(self.slo, view.now_s, view.oldest_decode_token_s, deferred),
         )
 
+    def _gate(self, view: SchedulingView, backward_running: bool,
+              batch_room_tokens: int | None) -> Skip | None:
+        """Why nothing may be admitted this step, before any pricing (``None``: something may)."""
+        skip = self._precheck(view, backward_running)
+        if skip is None and batch_room_tokens is not None and batch_room_tokens <= 0:
+            skip = Skip.BUFFER_FULL
+        return skip
+
+    def _room(self, proposed: StepShape, batch_room_tokens: int | None
+              ) -> tuple[int, int, float]:
+        """Training tokens and sequences the step may still take (host and config limits, the
+        buffer's largest free run), and the tokens the backward batch still misses."""
+        room_tokens = min(self.limits.max_tokens_per_step - proposed.num_tokens,
+                          self.config.max_ft_tokens_per_step, self.ledger.largest_free_run)
+        room_seqs = self.limits.max_seqs_per_step - proposed.num_seqs
+        batch_room = math.inf if batch_room_tokens is None else batch_room_tokens
+        return room_tokens, room_seqs, batch_room
+
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
              batch_room_tokens: int | None = None) -> AdmissionPlan:
         """Admit samples into ``view.proposed``.
@@ -177,9 +195,7 @@ class AdmissionScheduler:
         sample of a batch is forwarded with the adapter the backward will differentiate.
         """
         proposed = view.proposed
-        skip = self._precheck(view, backward_running)
-        if skip is None and batch_room_tokens is not None and batch_room_tokens <= 0:
-            skip = Skip.BUFFER_FULL
+        skip = self._gate(view, backward_running, batch_room_tokens)
         if skip is not None:
             return AdmissionPlan((), proposed, None, math.nan, skip)
         budget = self.budget(view)
@@ -190,10 +206,7 @@ class AdmissionScheduler:
         if base_s > delta:
             return AdmissionPlan((), proposed, budget, base_s, Skip.BUDGET_EXHAUSTED)
 
-        room_tokens = min(self.limits.max_tokens_per_step - proposed.num_tokens,
-                          self.config.max_ft_tokens_per_step, self.ledger.largest_free_run)
-        room_seqs = self.limits.max_seqs_per_step - proposed.num_seqs
-        batch_room = math.inf if batch_room_tokens is None else batch_room_tokens
+        room_tokens, room_seqs, batch_room = self._room(proposed, batch_room_tokens)
         lens, c, stop = self._fill(pricer, base_s, delta, room_tokens, room_seqs, batch_room)
         if not lens:
             return AdmissionPlan((), proposed, budget, base_s, stop)

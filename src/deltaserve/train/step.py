@@ -39,24 +39,3 @@ class CapturingStep:
 
     def should_abort(self) -> bool:
         return self.abortable and self.abort.is_set()
-
-
-@dataclass(frozen=True, eq=False)
-class ScratchStep:
-    """A stand-in step for timing (calibration): its rows' captures go to a scratch tensor of
-    the co-server's buffer size, so the copy is timed too; never aborted."""
-
-    plan: AdmissionPlan
-    rows: TrainingRows
-    scratch: torch.Tensor
-    abortable: bool = False
-    saves_mlp: bool = False
-
-    def capture(self, layer: int, hidden: torch.Tensor) -> None:
-        self.scratch[layer, : hidden.shape[0]].copy_(hidden)
-
-    def capture_mlp(self, layer: int, gate: torch.Tensor, up: torch.Tensor) -> None:
-        """Not timed: the calibration buffer keeps the residual stream only."""
-
-    def should_abort(self) -> bool:
-        return False

@@ -16,8 +16,7 @@ Importing this package imports neither SGLang nor torch; its names load on first
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from deltaserve.hosts.lazy import lazy_exports
 
 _EXPORTS = {
     "SGLangHost": "deltaserve.hosts.sglang.host",
@@ -28,10 +27,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -28,8 +28,8 @@ from deltaserve.core.contract import StepReport, TrainingRows
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.shape import StepShape
 from deltaserve.hosts.base import RESERVED_ADAPTER_PREFIX
+from deltaserve.hosts.probe import ProbeStep
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
-from deltaserve.train.step import ScratchStep
 
 if TYPE_CHECKING:  # the training side calls this module
     from deltaserve.hosts.sglang.training import SchedulerTrainingHost
@@ -46,11 +46,11 @@ class _ProbeCoServer:
         self.rows = TrainingRows()
         self.reports: list[StepReport] = []
 
-    def plan(self, view: SchedulingView) -> ScratchStep:
+    def plan(self, view: SchedulingView) -> ProbeStep:
         rows, self.rows = self.rows, TrainingRows()
-        return ScratchStep(AdmissionPlan((), view.proposed.with_ft(rows.lengths)
-                                         if rows.num_samples else view.proposed,
-                                         None, 0.0, None), rows, self.scratch)
+        return ProbeStep(AdmissionPlan((), view.proposed.with_ft(rows.lengths)
+                                       if rows.num_samples else view.proposed,
+                                       None, 0.0, None), rows, self.scratch)
 
     def observe(self, report: StepReport) -> None:
         self.reports.append(report)

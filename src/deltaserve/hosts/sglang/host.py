@@ -19,19 +19,17 @@ import torch
 from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglang.srt.sampling.sampling_params import SamplingParams as SGLangParams
 
-from deltaserve.core.calibration import CalibrationConfig, HostLimits
+from deltaserve.core.calibration import CalibrationConfig
 from deltaserve.core.contract import CoServingHooks
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.requests import SamplingParams
-from deltaserve.core.shape import ExecMode, StepShape
 from deltaserve.hosts.base import BaseHost, ClientRequest
+from deltaserve.hosts.delegated import DelegatedTraining
 from deltaserve.hosts.sglang.config import SGLangConfig
 from deltaserve.hosts.sglang.runtime import InProcessRuntime, Output
 from deltaserve.hosts.sglang.training import SchedulerTrainingHost
-from deltaserve.model.config import ModelConfig
-from deltaserve.model.llama import BaseWeights
 from deltaserve.model.loading import load_tokenizer, read_config, resolve_dtype, resolve_model
-from deltaserve.model.lora import AdapterWeights, LoRAConfig
+from deltaserve.model.lora import LoRAConfig
 from deltaserve.model.peft_io import read_lora_config
 
 
@@ -45,8 +43,9 @@ def _reason(finish: dict, params: SamplingParams | None) -> str:
     return "length" if kind == "length" else "abort"
 
 
-class SGLangHost(BaseHost):
+class SGLangHost(DelegatedTraining, BaseHost):
     config_cls = SGLangConfig
+    training: SchedulerTrainingHost
 
     def __init__(self, config: SGLangConfig | None = None):
         self.config = config = config or SGLangConfig()
@@ -68,34 +67,7 @@ class SGLangHost(BaseHost):
         self._pending_loads: list[tuple[str, str]] = []
         self._rids: dict[str, str] = {}  # SGLang's id → the client's
 
-    # ---- the co-server's side (TrainingHost), by delegation ---------------------------------
-    @property
-    def limits(self) -> HostLimits:
-        return self.training.limits
-
-    @property
-    def model_path(self) -> str:
-        return self.training.model_path
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.training.model_config
-
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        return self.training.execution_mode(shape)
-
-    def backward_weights(self) -> BaseWeights:
-        return self.training.backward_weights()
-
-    def training_dropout(self, lora: LoRAConfig) -> float:
-        return self.training.training_dropout(lora)
-
-    def install_training_adapter(self, adapter: AdapterWeights) -> None:
-        self.training.install_training_adapter(adapter)
-
-    def publish_adapter(self, adapter: AdapterWeights) -> None:
-        self.training.publish_adapter(adapter)
-
+    # ---- the co-server's side (TrainingHost; the rest is DelegatedTraining) ---------------
     def calibrate(self, lora: LoRAConfig, calibration: CalibrationConfig | None,
                   latency: LatencyModelConfig | None, *, seed: int = 0,
                   progress: bool = True) -> LatencyModel:

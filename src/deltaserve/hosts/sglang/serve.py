@@ -33,9 +33,10 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import kill_process_tree
 
 from deltaserve.cli_flags import add_dataclass_flags, checked_from_args
-from deltaserve.core.data import DataConfig, load_dataset
+from deltaserve.core.data import DataConfig
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
+from deltaserve.hosts.serve_inputs import checked_dataset, writable_checkpoint
 from deltaserve.hosts.sglang.config import CPU_ARGS, REQUIRED_ARGS
 from deltaserve.hosts.sglang.serve_config import ServeConfig, ServeState, ServeStatus
 from deltaserve.hosts.sglang.version import SERVE_ENV, import_sglang
@@ -77,7 +78,8 @@ def parse(argv: list[str]) -> tuple[Any, ServeConfig]:
         except (InputError, OSError, ValueError, KeyError) as e:
             raise InputError(flags[f"{DEST}latency_model"], config.latency_model,
                              f"not a latency model: {e}") from e
-    config = with_checkpoint_dir(config, flags[f"{DEST}checkpoint.root"])
+    config = replace(config, checkpoint=writable_checkpoint(
+        config.checkpoint, flags[f"{DEST}checkpoint.root"], CHECKPOINT_PARENT))
     return args, replace(config, status_file=str(config.status_path()))
 
 
@@ -108,7 +110,7 @@ def prepare(args: Any, config: ServeConfig) -> Any:
 def check_dataset(args: Any, config: ServeConfig) -> int:
     """Parse and tokenize every row now (an error names the line); returns the sample count.
     A sample must fit one step whole (``--chunked-prefill-size``)."""
-    flag, path = "--finetune-dataset", config.dataset or ""
+    path = config.dataset or ""
     try:
         tok = load_tokenizer(Path(args.model_path))
     except (OSError, ValueError) as e:
@@ -116,35 +118,7 @@ def check_dataset(args: Any, config: ServeConfig) -> int:
             from e
     limits = [n for n in (args.chunked_prefill_size, args.context_length) if n and n > 0]
     data = DataConfig(path, max_tokens=min(limits)) if limits else DataConfig(path)
-    try:
-        samples, report = load_dataset(data, tok)
-    except OSError as e:
-        raise InputError(flag, path, f"cannot read it: {e}") from e
-    except InputError as e:  # the row's line (and record) stay in the message
-        reason = e.reason if e.line is None else f"{e.field}={e.value!r}: {e.reason}"
-        raise InputError(flag, path, reason, line=e.line, record=e.record) from e
-    if not samples:
-        raise InputError(flag, path, f"no usable sample: {report.summary()}")
-    print(f"deltaserve: dataset {path}: {report.summary()}", file=sys.stderr, flush=True)
-    return len(samples)
-
-
-def with_checkpoint_dir(config: ServeConfig, flag: str) -> ServeConfig:
-    """The checkpoint directory, created and writable (a fresh one when none is given)."""
-    root = config.checkpoint.root
-    if root is None:
-        root = str(CHECKPOINT_PARENT / time.strftime("checkpoints-%Y%m%d-%H%M%S"))
-        print(f"deltaserve: WARNING: no {flag} given: training is checkpointed under {root} "
-              f"(pass {flag} {root} to resume it)", file=sys.stderr, flush=True)
-    path = Path(root).resolve()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".deltaserve-write-probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise InputError(flag, root, f"not a writable directory: {e}") from e
-    return replace(config, checkpoint=replace(config.checkpoint, root=str(path)))
+    return checked_dataset(data, tok)
 
 
 def stop_coserving(status_path: Path) -> ServeStatus | None:

@@ -22,9 +22,9 @@ it is first imported, and every module of this package that imports vLLM is impo
 
 from __future__ import annotations
 
-import importlib
 import sys
 
+from deltaserve.hosts.lazy import lazy_exports
 from deltaserve.hosts.vllm.version import is_cpu_build, set_cpu_env_defaults
 
 if "vllm" not in sys.modules and is_cpu_build():
@@ -41,10 +41,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -51,7 +51,8 @@ from deltaserve.hosts.vllm.config import (
 from deltaserve.hosts.vllm.link import EngineLink, find_link
 from deltaserve.hosts.vllm.scheduler import CoServingScheduler
 from deltaserve.hosts.vllm.train_adapter import check_lora_fits
-from deltaserve.hosts.vllm.training import DelegatedTraining, EngineTraining
+from deltaserve.hosts.delegated import DelegatedTraining
+from deltaserve.hosts.vllm.training import EngineTraining
 from deltaserve.hosts.vllm.version import import_vllm
 from deltaserve.hosts.vllm.worker_ext import WorkerInfo
 from deltaserve.model.loading import load_tokenizer, read_config, resolve_model
@@ -101,6 +102,8 @@ def finish_reason(comp: CompletionOutput) -> str | None:
 class VLLMHost(DelegatedTraining, BaseHost):
     """See the module docstring. ``llm``: an existing ``vllm.LLM`` started with
     :func:`engine_kwargs` (otherwise one is started from ``config``)."""
+
+    training: EngineTraining
 
     config_cls = VLLMHostConfig
 

@@ -29,7 +29,8 @@ from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.shape import StepShape
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.vllm.link import EngineLink
-from deltaserve.hosts.vllm.training import DelegatedTraining, EngineTraining
+from deltaserve.hosts.delegated import DelegatedTraining
+from deltaserve.hosts.vllm.training import EngineTraining
 from deltaserve.hosts.vllm.wire import (
     CALIBRATIONS,
     CalibrateSpec,
@@ -77,6 +78,8 @@ class ServeSpec:
 class EngineProcessHost(DelegatedTraining):
     """The :class:`~deltaserve.core.contract.TrainingHost` inside the engine process: the
     engine's training side, with no client API of its own (vLLM's server is the client side)."""
+
+    training: EngineTraining
 
     def __init__(self, link: EngineLink, vllm_config: VllmConfig):
         self.training = EngineTraining(link, vllm_config)

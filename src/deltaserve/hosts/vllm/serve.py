@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,9 +47,10 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from deltaserve.cli_flags import add_dataclass_flags, checked_from_args
 from deltaserve.core.config_io import from_dict, to_dict
-from deltaserve.core.data import DataConfig, load_dataset
+from deltaserve.core.data import DataConfig
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
+from deltaserve.hosts.serve_inputs import checked_dataset, writable_checkpoint
 from deltaserve.hosts.vllm.config import SCHEDULER_CLS, WORKER_EXTENSION_CLS, lora_rank_for
 from deltaserve.hosts.vllm.remote import ServeSpec
 from deltaserve.hosts.vllm.version import import_vllm
@@ -122,7 +122,8 @@ def serve_spec(args: argparse.Namespace, flags: Flags) -> ServeSpec:
     data = checked_from_args(DataConfig, args, flags, "finetune_data.",
                              path=args.finetune_dataset)
     _check_dataset(args, data)
-    coserve = _with_checkpoint_dir(coserve, flags["finetune.checkpoint.root"])
+    coserve = replace(coserve, checkpoint=writable_checkpoint(
+        coserve.checkpoint, flags["finetune.checkpoint.root"], CHECKPOINT_PARENT))
     return ServeSpec(coserve, data, args.finetune_calibration, args.finetune_latency_model)
 
 
@@ -136,33 +137,7 @@ def _check_dataset(args: argparse.Namespace, data: DataConfig) -> None:
     limits = [data.max_tokens, args.max_num_batched_tokens, args.max_model_len and
               args.max_model_len - 1]
     data = replace(data, max_tokens=min(n for n in limits if n))
-    try:
-        samples, report = load_dataset(data, tokenizer)
-    except OSError as e:
-        raise InputError("--finetune-dataset", data.path, f"cannot read it: {e}") from e
-    except InputError as e:  # the row's line (and record) stay in the message
-        raise InputError("--finetune-dataset", data.path, f"{e.field}={e.value!r}: {e.reason}",
-                         line=e.line, record=e.record) from e
-    if not samples:
-        raise InputError("--finetune-dataset", data.path, f"no usable sample: {report.summary()}")
-    print(f"deltaserve: dataset {data.path}: {report.summary()}", file=sys.stderr, flush=True)
-
-
-def _with_checkpoint_dir(coserve: CoServeConfig, flag: str) -> CoServeConfig:
-    root = coserve.checkpoint.root
-    if root is None:
-        root = str(CHECKPOINT_PARENT / time.strftime("checkpoints-%Y%m%d-%H%M%S"))
-        print(f"deltaserve: WARNING: no {flag} given: training is checkpointed under {root} "
-              f"(pass {flag} {root} to resume it)", file=sys.stderr, flush=True)
-    path = Path(root).resolve()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".deltaserve-write-probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise InputError(flag, root, f"not a writable directory: {e}") from e
-    return replace(coserve, checkpoint=replace(coserve.checkpoint, root=str(path)))
+    checked_dataset(data, tokenizer)
 
 
 def prepare_args(args: argparse.Namespace, lora_r: int) -> argparse.Namespace:

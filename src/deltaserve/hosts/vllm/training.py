@@ -102,37 +102,3 @@ class EngineTraining:
         if publisher is None or publisher.config != lora:
             publisher = reserve(self.link, weights(), self.model_path)
         return publisher
-
-
-class DelegatedTraining:
-    """The :class:`~deltaserve.core.contract.TrainingHost` members both vLLM hosts (in-process
-    and engine-process) take from their :class:`EngineTraining`."""
-
-    training: EngineTraining
-
-    @property
-    def limits(self) -> HostLimits:
-        return self.training.limits
-
-    @property
-    def model_path(self) -> str:
-        return self.training.model_path
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.training.model_config
-
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        return self.training.execution_mode(shape)
-
-    def backward_weights(self) -> BaseWeights:
-        return self.training.backward_weights()
-
-    def training_dropout(self, lora: LoRAConfig) -> float:
-        return self.training.training_dropout(lora)
-
-    def install_training_adapter(self, adapter: AdapterWeights) -> None:
-        self.training.install_training_adapter(adapter)
-
-    def publish_adapter(self, adapter: AdapterWeights) -> None:
-        self.training.publish_adapter(adapter)

@@ -17,8 +17,6 @@ import importlib
 import logging
 import os
 
-import vllm
-
 from deltaserve.hosts.vllm.version import ACTIVE_ENV, SUPPORTED_VERSIONS, check_version
 
 logger = logging.getLogger("deltaserve.vllm")
@@ -29,10 +27,11 @@ AUX_MODEL_MODULE = "deltaserve.hosts.vllm.aux_model"
 def register() -> None:
     if not os.environ.get(ACTIVE_ENV):
         return
+    # Both by name, not imported at module level: installed beside another user's vLLM this
+    # module imports nothing of vLLM's, and aux_model (which subclasses vLLM's Llama) may only
+    # be imported once the version is known to be one it was written for.
+    vllm = importlib.import_module("vllm")
     check_version(str(vllm.__version__))
-    # Named, not imported at module level: aux_model subclasses vLLM's Llama, so it may only be
-    # imported once the version is known to be one it was written for (the registry-style lazy
-    # import). vLLM itself is already loaded in every process that calls this hook.
     aux_model = importlib.import_module(AUX_MODEL_MODULE)
     aux_model.register_aux_capture_model()
     logger.debug("DeltaServe vLLM plugin: vLLM %s (supported: %s), pid %d", vllm.__version__,

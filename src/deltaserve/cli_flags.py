@@ -2,13 +2,13 @@
 
 A field becomes ``--<prefix><name>`` (underscores as dashes), typed from its annotation: bool
 fields become ``--name`` / ``--no-name`` switches, enums take their values as choices, tuples
-take one or more values (space- or comma-separated). A field that is itself a config dataclass contributes its own fields,
-under the prefix in its ``metadata={"prefix": ...}`` (default: its name and a dash). A field's
-metadata may rename its flag (``"flag"``) or add help (``"help"``); a nested field's
-``"skip"`` lists inner fields that get no flag (they keep their defaults). A nested field's
-flags default to the values of its own default (so a parent may give a nested config without
-defaults of its own, e.g. an SLO, a default instance). A config that rejects its values names
-the flag in the error: ``--slo-ttft-s=-5.0: ...``.
+take one or more values (space- or comma-separated). A field that is itself a config dataclass
+contributes its own fields, under the prefix in its ``metadata={"prefix": ...}`` (default: its
+name and a dash). A field's metadata may rename its flag (``"flag"``) or add help (``"help"``);
+a nested field's ``"skip"`` lists inner fields that get no flag (they keep their defaults). A
+nested field's flags default to the values of its own default (so a parent may give a nested
+config without defaults of its own, e.g. an SLO, a default instance). A config that rejects its
+values names the flag in the error: ``--slo-ttft-s=-5.0: ...``.
 """
 
 from __future__ import annotations

@@ -190,9 +190,9 @@ class CoServingHooks(Protocol):
         ...
 
 
-@runtime_checkable
-class TrainingHost(Protocol):
-    """What the co-server asks of a host (its attach/detach use nothing else)."""
+class TrainingSide(Protocol):
+    """The part of :class:`TrainingHost` about the model and the training adapter: what an
+    engine host's training side (next to the engine's scheduler) answers for it."""
 
     @property
     def limits(self) -> HostLimits:
@@ -206,11 +206,6 @@ class TrainingHost(Protocol):
 
     @property
     def model_config(self) -> ModelConfig: ...
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        """The model's tokenizer (training files are tokenized with its chat template)."""
-        ...
 
     def backward_weights(self) -> BaseWeights:
         """The base weights the backward process maps: views of the engine's where it can
@@ -228,6 +223,16 @@ class TrainingHost(Protocol):
 
     def publish_adapter(self, adapter: AdapterWeights) -> None:
         """Make updated training-adapter weights visible to the host's next forward."""
+        ...
+
+
+@runtime_checkable
+class TrainingHost(TrainingSide, Protocol):
+    """What the co-server asks of a host (its attach/detach use nothing else)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (training files are tokenized with its chat template)."""
         ...
 
     def calibrate(self, lora: LoRAConfig, calibration: CalibrationConfig | None,

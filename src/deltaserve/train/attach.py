@@ -28,8 +28,8 @@ from deltaserve.core.slo import SLOConfig
 from deltaserve.model.llama import LlamaModel
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.coserver import CoServer
-from deltaserve.train.preflight import preflight
 from deltaserve.train.facade import BaseCoServer
+from deltaserve.train.preflight import preflight
 
 logger = logging.getLogger("deltaserve")
 

@@ -24,7 +24,6 @@ from deltaserve.core.calibration import CalibrationConfig, HostLimits
 from deltaserve.core.contract import CoServingHooks
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
-from deltaserve.core.shape import ExecMode, StepShape
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.base import RESERVED_ADAPTER_PREFIX
 from deltaserve.hosts.sglang.calibrate import calibrate
@@ -72,10 +71,6 @@ class SchedulerTrainingHost:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.scheduler.tp_worker.model_runner.model.parameters()).dtype
-
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        """Eager: SGLang's CPU path (``torch_native`` attention) captures no CUDA graphs."""
-        return ExecMode.EAGER
 
     def backward_weights(self) -> BaseWeights:
         return weights_from_sglang(self.scheduler.tp_worker.model_runner.model,

@@ -96,9 +96,6 @@ class SimEngine(BaseHost):
         return ModelConfig(s.vocab, s.hidden, s.ffn, s.num_layers, s.num_q_heads,
                            s.num_kv_heads, s.head_dim, max_position_embeddings=s.max_context)
 
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        return graph_mode(self.hw, shape)
-
     def backward_weights(self) -> BaseWeights:
         raise InputError("host", "sim", "a simulated host has no weights: its co-server trains a "
                          "timed stand-in (SimEngine.attach)")

@@ -41,6 +41,7 @@ from deltaserve.core.errors import InputError, require
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.requests import SamplingParams
 from deltaserve.hosts.base import BaseHost, ClientRequest
+from deltaserve.hosts.delegated import DelegatedTraining
 from deltaserve.hosts.vllm.aux_model import register_aux_capture_model
 from deltaserve.hosts.vllm.config import (
     BASE_ARCHITECTURE,
@@ -51,7 +52,6 @@ from deltaserve.hosts.vllm.config import (
 from deltaserve.hosts.vllm.link import EngineLink, find_link
 from deltaserve.hosts.vllm.scheduler import CoServingScheduler
 from deltaserve.hosts.vllm.train_adapter import check_lora_fits
-from deltaserve.hosts.delegated import DelegatedTraining
 from deltaserve.hosts.vllm.training import EngineTraining
 from deltaserve.hosts.vllm.version import import_vllm
 from deltaserve.hosts.vllm.worker_ext import WorkerInfo

@@ -28,8 +28,8 @@ from deltaserve.core.errors import require_choice
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.shape import StepShape
 from deltaserve.core.tokenizer import Tokenizer
-from deltaserve.hosts.vllm.link import EngineLink
 from deltaserve.hosts.delegated import DelegatedTraining
+from deltaserve.hosts.vllm.link import EngineLink
 from deltaserve.hosts.vllm.training import EngineTraining
 from deltaserve.hosts.vllm.wire import (
     CALIBRATIONS,

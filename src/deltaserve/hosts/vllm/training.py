@@ -15,13 +15,11 @@ from vllm.config import VllmConfig
 
 from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
-from deltaserve.core.shape import ExecMode, StepShape
 from deltaserve.hosts.vllm.calibrate import CalibrationRun, EngineFacts, ProbeDone
 from deltaserve.hosts.vllm.link import EngineLink
 from deltaserve.hosts.vllm.publish import AdapterPublisher
 from deltaserve.hosts.vllm.scheduler import CoServingScheduler
 from deltaserve.hosts.vllm.train_adapter import reserve
-from deltaserve.hosts.vllm.view import predict_mode
 from deltaserve.hosts.vllm.weights import backward_weights
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights
@@ -55,9 +53,6 @@ class EngineTraining:
     @property
     def limits(self) -> HostLimits:
         return engine_limits(self.vllm_config, self.scheduler)
-
-    def execution_mode(self, shape: StepShape) -> ExecMode:
-        return predict_mode(self.vllm_config, shape)
 
     def backward_weights(self) -> BaseWeights:
         """Views of vLLM's weights (GPU), or a reload from the model directory (CPU, where vLLM

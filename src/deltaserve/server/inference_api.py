@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from deltaserve.core.errors import InputError
-from deltaserve.core.requests import SamplingParams
+from deltaserve.core.requests import RequestOutput, SamplingParams
 from deltaserve.server.context import Services, Svc
 from deltaserve.server.errors import APIError, from_input_error
 from deltaserve.server.model_registry import ServedModel
@@ -100,6 +100,21 @@ def _submit(svc: Services, ids: Sequence[int], params: SamplingParams, served: S
     return stream
 
 
+def _start(svc: Services, body: SamplingFields, served: ServedModel, ids: Sequence[int],
+           limit: int | None, prefix: str) -> tuple[GenerationStream, int]:
+    """The request submitted (its sampling checked against the prompt) and its creation time."""
+    stream = _submit(svc, ids, _params(svc, body, len(ids), limit), served, prefix)
+    return stream, int(time.time())
+
+
+async def _final(stream: GenerationStream, request: Request) -> RequestOutput:
+    """The finished output; a client that went away is answered 499 (its request aborted)."""
+    try:
+        return await stream.final(request)
+    except ClientGone:
+        raise APIError(499, "client closed the request") from None
+
+
 def _usage(prompt_len: int, completion_len: int) -> Usage:
     return Usage(prompt_tokens=prompt_len, completion_tokens=completion_len,
                  total_tokens=prompt_len + completion_len)
@@ -120,15 +135,10 @@ async def completions(svc: Svc, body: CompletionRequest, request: Request
                       ) -> Completion | StreamingResponse:
     served = _served(svc, body.model)
     ids = completion_prompt_ids(svc.backend.tokenizer, body.prompt)
-    params = _params(svc, body, len(ids), body.max_tokens)
-    stream = _submit(svc, ids, params, served, "cmpl-")
-    created = int(time.time())
+    stream, created = _start(svc, body, served, ids, body.max_tokens, "cmpl-")
     if body.stream:
         return _event_stream(_completion_chunks(svc, body, stream, len(ids), created))
-    try:
-        out = await stream.final(request)
-    except ClientGone:
-        raise APIError(499, "client closed the request") from None
+    out = await _final(stream, request)
     choice = CompletionChoice(text=final_text(svc.backend.tokenizer, out),
                               finish_reason=finish_reason(out))
     return Completion(id=stream.request_id, created=created, model=body.model,
@@ -161,15 +171,10 @@ async def chat_completions(svc: Svc, body: ChatCompletionRequest, request: Reque
                            ) -> ChatCompletion | StreamingResponse:
     served = _served(svc, body.model)
     ids = chat_prompt_ids(svc.backend.tokenizer, body.messages)
-    params = _params(svc, body, len(ids), body.output_limit)
-    stream = _submit(svc, ids, params, served, "chatcmpl-")
-    created = int(time.time())
+    stream, created = _start(svc, body, served, ids, body.output_limit, "chatcmpl-")
     if body.stream:
         return _event_stream(_chat_chunks(svc, body, stream, len(ids), created))
-    try:
-        out = await stream.final(request)
-    except ClientGone:
-        raise APIError(499, "client closed the request") from None
+    out = await _final(stream, request)
     message = AssistantMessage(content=final_text(svc.backend.tokenizer, out))
     return ChatCompletion(id=stream.request_id, created=created, model=body.model,
                           choices=[ChatChoice(message=message, finish_reason=finish_reason(out))],

@@ -17,7 +17,7 @@ from tests.server.real import SMALL_CAL, start_real_server, task_files
 from tests.server.test_jobs import all_events
 from tests.server.test_service import PROMPT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a minute or two unloaded
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # two to three minutes unloaded
 
 
 def test_builtin_model_fine_tunes_and_serves_its_model(tmp_path):
@@ -36,11 +36,11 @@ def test_builtin_model_fine_tunes_and_serves_its_model(tmp_path):
         assert [m.id for m in client.models.list().data] == ["smollm2"]
         base = client.chat.completions.create(model="smollm2", messages=PROMPT, max_tokens=8,
                                               temperature=0).choices[0].message.content
-        train, valid = task_files(16, 4, seed=8)
+        train, valid = task_files(32, 8, seed=8)
         job = client.fine_tuning.jobs.create(
             model="smollm2", training_file=upload(client, train).id,
             validation_file=upload(client, valid, "valid.jsonl").id, suffix="task",
-            hyperparameters={"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 10})
+            hyperparameters={"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 1})
         job = wait_status(client, job.id, TERMINAL, timeout_s=1800)
         assert job.status == "succeeded", job.error
         metrics = [e.data for e in all_events(client, job.id) if e.type == "metrics"]
@@ -48,7 +48,13 @@ def test_builtin_model_fine_tunes_and_serves_its_model(tmp_path):
         valid_losses = [m["valid_loss"] for m in metrics if "valid_loss" in m]
         print(f"train loss {[round(x, 3) for x in losses]}; valid loss "
               f"{[round(x, 3) for x in valid_losses]}")
-        assert valid_losses[-1] < valid_losses[0] and losses[-1] < losses[0]
+        # One step's train loss depends on which 4 samples it drew, and the held-out loss moves
+        # step to step by as much as it falls (x10 the learning rate made it diverge: train loss
+        # 2.6 -> 7.0 -> 1.8 -> 7.3 in one CI run). So: the second half's mean train loss below
+        # the first's, and the held-out loss below its first measurement (after 4 steps) later.
+        half = len(losses) // 2
+        assert sum(losses[half:]) / (len(losses) - half) < sum(losses[:half]) / half
+        assert min(valid_losses[1:]) < valid_losses[0]
         tuned = client.chat.completions.create(model=job.fine_tuned_model, messages=PROMPT,
                                                max_tokens=8, temperature=0)
         print(f"base: {base!r}; fine-tuned: {tuned.choices[0].message.content!r}")

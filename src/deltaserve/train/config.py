@@ -10,6 +10,7 @@ from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.errors import coerce_enum, require
 from deltaserve.core.latency_model import LatencyModelConfig
 from deltaserve.core.slo import SLOConfig
+from deltaserve.core.yield_reserve import YieldReserveConfig
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.buffer import BufferSave
 from deltaserve.train.checkpoint import CheckpointConfig
@@ -41,7 +42,8 @@ class BackwardConfig:
     """``batch_tokens``: captured tokens per optimizer step (a step takes whole samples until
     it reaches this). ``buffer_tokens``: activation-buffer rows (default: one batch plus the
     longest sample). ``threads``: the backward's torch threads (default: every core under
-    ``exclusive``, one otherwise). ``max_yield_s``: the longest single yield."""
+    ``exclusive``, one otherwise). ``max_yield_s``: the longest single yield;
+    ``yield_reserve``: the slack a yield leaves unspent (:mod:`deltaserve.core.yield_reserve`)."""
 
     batch_tokens: int = 256
     buffer_tokens: int | None = None
@@ -51,6 +53,7 @@ class BackwardConfig:
     grant_policy: GrantPolicy = GrantPolicy.AUTO
     yield_to_backward: bool = field(default=True, metadata={"flag": "yield"})
     max_yield_s: float = 0.5
+    yield_reserve: YieldReserveConfig = field(default_factory=YieldReserveConfig)
 
     def __post_init__(self) -> None:
         require(self.batch_tokens > 0, "backward_batch_tokens", self.batch_tokens, "must be > 0")

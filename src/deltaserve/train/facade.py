@@ -16,8 +16,9 @@ samples, so each is trained exactly once per epoch.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from deltaserve.core.admission import AdmissionMode, AdmissionScheduler, SchedulingView
 from deltaserve.core.calibration import HostLimits
@@ -25,6 +26,7 @@ from deltaserve.core.contract import StepReport, TrainingStep
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.pool import SamplePool
+from deltaserve.core.yield_reserve import YieldReserve
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import CoServeStats, Listener
 from deltaserve.train.samples import SampleBook, buffer_capacity
@@ -40,7 +42,7 @@ class BaseCoServer:
                  samples: Sequence[TrainingSample], trainer: TrainerFactory, *,
                  latency_model: LatencyModel | None = None,
                  scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
-                 pool: SamplePool | None = None):
+                 pool: SamplePool | None = None, clock: Callable[[], float] = time.monotonic):
         b = config.backward
         self.book = SampleBook(samples, num_epochs=config.num_epochs, seed=config.seed,
                                buffer_tokens=buffer_capacity(b.buffer_tokens, b.batch_tokens,
@@ -51,6 +53,10 @@ class BaseCoServer:
         self.scheduler = scheduler_cls(self.config.admission, self.config.slo, limits,
                                        self.latency, self.book.pool, self.book.ledger)
         self._abort = threading.Event()
+        self._reserve = YieldReserve(self.config.backward.yield_reserve)
+        self._clock = clock
+        self._planned_at_s = 0.0  # when the step in flight was planned
+        self._overshoot_s = 0.0  # how far the last yield ran past what it was lent
         # production counters (the service's /metrics reads them through stats())
         self._skips: Counter[str] = Counter()
         self._timing: Counter[str] = Counter()
@@ -61,6 +67,7 @@ class BaseCoServer:
 
     # ---- the host contract (CoServingHooks) -------------------------------------------------
     def plan(self, view: SchedulingView) -> TrainingStep:
+        self._planned_at_s = self._clock()
         t = self.trainer
         t.poll()
         room = self.config.backward.batch_tokens - self.book.ready_tokens
@@ -80,6 +87,7 @@ class BaseCoServer:
         t = self.trainer
         t.backward.after_step()
         plan = report.step.plan
+        upper_s = self._upper_s(report)
         if report.aborted:
             self.book.release(plan.sample_ids)
             t.counts["aborted_steps"] += 1
@@ -97,6 +105,9 @@ class BaseCoServer:
                 t.counts["ft_tokens_forwarded"] += plan.num_ft_tokens
         self._abort.clear()
         t.maybe_launch()
+        if upper_s is not None:
+            self._reserve.observe(self._clock() - self._planned_at_s + self._overshoot_s - upper_s)
+        self._overshoot_s = 0.0
 
     def on_arrival(self) -> None:
         self._abort.set()
@@ -115,12 +126,22 @@ class BaseCoServer:
         b, bw = self.config.backward, self.trainer.backward
         if not (bw.exclusive and b.yield_to_backward and bw.busy):
             return 0.0
-        # the backward stops at a layer boundary: keep two layers of slack
-        usable = self.scheduler.yield_budget_s(view) - 2 * bw.layer_s
-        return min(usable, b.max_yield_s) if usable >= 2 * bw.layer_s else 0.0
+        # the backward stops at a layer boundary: the reserve is at least two layers
+        return self._reserve.budget_s(self.scheduler.yield_budget_s(view), 2 * bw.layer_s,
+                                      b.max_yield_s)
+
+    def _upper_s(self, report: StepReport) -> float | None:
+        """The margin-inflated prediction of an inference step that ran whole, before the
+        latency model learns from it. Its lateness, what the yield reserve learns from, is the
+        time from planning to the end of :meth:`observe` (the wait for the backward to stop, the
+        forward, this bookkeeping) plus the overshoot of the yield before it, less this."""
+        if report.aborted or not report.shape.has_inference or not self.latency.is_calibrated:
+            return None
+        return self.latency.predict_upper(report.shape)
 
     def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
         given = self.trainer.backward.lend(seconds, wake)
+        self._overshoot_s = max(0.0, given - seconds)
         self.trainer.counts["yields"] += 1
         self.trainer.poll()
         return given

@@ -135,7 +135,7 @@ class SimEngine(BaseHost):
                                     StepNoise(self.hw.noise_sigma, self.noise_seed + 1),
                                     self.hw.tp)
         co = BaseCoServer(config, self.limits, dataset, factory, latency_model=latency_model,
-                          scheduler_cls=scheduler_cls, pool=pool)
+                          scheduler_cls=scheduler_cls, pool=pool, clock=self.clock.now)
         self._co, self.latency_model = co, co.latency
         self.set_coserver(co)
         return co

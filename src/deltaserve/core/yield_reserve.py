@@ -1,0 +1,78 @@
+"""How much of a step's slack a yield to the backward may spend.
+
+Before a host step, Δ less the step's margin-inflated prediction is what the SLOs leave; a
+host on an ``exclusive`` grant may lend that time to the backward first. A yield that spends all
+of it lands the step on its deadline, so every error of the prediction, and the backward's stop
+at a layer boundary running past the yield, becomes a miss. And the TPOT objective is a
+request's longest gap, a maximum over every step it decodes in: a per-step miss rate of a few
+percent fails most requests that decode for tens of steps.
+
+So a yield leaves a reserve unspent: a high quantile of how late recent inference steps ended,
+measured from the moment each was planned (the wait for the backward to park included) against
+its margin-inflated prediction; never less than the layer-boundary floor the caller gives. It
+yields nothing until it has seen enough steps to know how late they run.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from deltaserve.core.errors import require
+
+
+@dataclass(frozen=True)
+class YieldReserveConfig:
+    """``quantile`` of the last ``window`` inference steps' lateness is kept unspent;
+    ``min_steps``: steps seen before the first yield."""
+
+    quantile: float = 0.99
+    window: int = 512
+    min_steps: int = 32
+
+    def __post_init__(self) -> None:
+        require(0.0 < self.quantile <= 1.0, "yield_reserve_quantile", self.quantile,
+                "must be in (0, 1]")
+        require(self.window >= 1, "yield_reserve_window", self.window, "must be >= 1")
+        require(1 <= self.min_steps <= self.window, "yield_reserve_min_steps", self.min_steps,
+                f"must be in [1, window={self.window}]")
+
+
+class YieldReserve:
+    """Lateness of recent inference steps, and the yield budget it leaves."""
+
+    def __init__(self, config: YieldReserveConfig | None = None):
+        self.config = config or YieldReserveConfig()
+        self._late_s: collections.deque[float] = collections.deque(maxlen=self.config.window)
+        self._cached: tuple[int, float] = (-1, 0.0)  # (observations, quantile) of the last call
+        self._seen = 0
+
+    def observe(self, late_s: float) -> None:
+        """An inference step ended ``late_s`` seconds after its planning time plus its
+        margin-inflated prediction (negative: early)."""
+        if math.isfinite(late_s):
+            self._late_s.append(late_s)
+            self._seen += 1
+
+    def reserve_s(self, floor_s: float) -> float:
+        """Seconds a yield leaves unspent (``inf`` until ``min_steps`` steps were seen)."""
+        if len(self._late_s) < self.config.min_steps:
+            return math.inf
+        seen, q = self._cached
+        if seen != self._seen:
+            q = float(np.quantile(np.fromiter(self._late_s, float), self.config.quantile))
+            self._cached = (self._seen, q)
+        return max(floor_s, q)
+
+    def budget_s(self, slack_s: float, floor_s: float, cap_s: float) -> float:
+        """The yield for a step whose SLOs leave ``slack_s`` after its prediction: the slack less
+        the reserve, at most ``cap_s``; none if less than ``floor_s`` would remain (the
+        backward could not finish a layer in it)."""
+        reserve_s = self.reserve_s(floor_s)
+        if math.isinf(reserve_s):
+            return 0.0
+        usable = slack_s - reserve_s
+        return min(usable, cap_s) if usable >= floor_s else 0.0

@@ -1,0 +1,159 @@
+"""The facade's yield to the backward keeps what late steps need: a closed form over the
+admission scheduler's slack, with a stand-in trainer (no backward process)."""
+
+import copy
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from deltaserve.core import SchedulingView, StepShape
+from deltaserve.core.admission import AdmissionPlan
+from deltaserve.core.contract import StepReport, TrainingRows
+from deltaserve.core.data import TrainingSample
+from deltaserve.core.yield_reserve import YieldReserveConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy
+from deltaserve.train.facade import BaseCoServer
+from tests.core.test_admission import LIMITS, MODEL, SLO
+
+LAYER_S = 0.001
+DECODE = StepShape(num_decode=2, kv_tokens=40)
+
+
+class StandInBackward:
+    busy = True
+    exclusive = True
+    layer_s = LAYER_S
+
+    def __init__(self):
+        self.overshoot_s = 0.0
+
+    def before_step(self, shape: StepShape) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        return seconds + self.overshoot_s
+
+
+@dataclass(frozen=True)
+class StandInStep:
+    plan: AdmissionPlan
+    rows: TrainingRows
+    abortable: bool = False
+    saves_mlp: bool = False
+
+
+class StandInTrainer:
+    has_pending = False
+    optimizer_steps = 0
+    last_loss = None
+    backward_busy_s = 0.0
+
+    def __init__(self, config, book):
+        self.config, self.counts, self.backward = config, Counter(), StandInBackward()
+
+    def step(self, plan, rows, abortable, abort):
+        return StandInStep(plan, rows)
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        pass
+
+    def maybe_launch(self, force: bool = False) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self):
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
+    reserve = YieldReserveConfig(quantile=quantile, window=64, min_steps=min_steps)
+    config = CoServeConfig(slo=SLO, backward=BackwardConfig(
+        grant_policy=GrantPolicy.EXCLUSIVE, threads=1, max_yield_s=max_yield_s,
+        yield_reserve=reserve))
+    samples = [TrainingSample(0, (1, 2, 3), (1, 2, 3))]
+    return BaseCoServer(config, LIMITS, samples, StandInTrainer,
+                        latency_model=copy.deepcopy(MODEL),  # it learns from the steps
+                        clock=Clock())
+
+
+def run_step(co: BaseCoServer, seconds_past_prediction: float, waited_s: float = 0.0) -> None:
+    """A step planned at 0 that waited ``waited_s`` (for the backward to stop, the co-server's
+    own bookkeeping) besides its forward, and ended ``seconds_past_prediction`` late."""
+    co._clock.now_s = 0.0
+    step = co.plan(SchedulingView(DECODE, now_s=0.0, oldest_decode_token_s=0.0))
+    predicted_s = co.latency.predict_upper(DECODE)
+    co._clock.now_s = predicted_s + seconds_past_prediction
+    co.observe(StepReport(step, DECODE, predicted_s + seconds_past_prediction - waited_s))
+
+
+def view() -> SchedulingView:
+    return SchedulingView(DECODE, now_s=0.0, oldest_decode_token_s=0.0)
+
+
+def test_no_yield_until_steps_were_seen():
+    co = coserver(min_steps=4)
+    assert co.scheduler.yield_budget_s(view()) > 0.05  # the SLOs leave room
+    for _ in range(3):
+        run_step(co, 0.0)
+        assert co.yield_budget_s(view()) == 0.0
+
+
+def test_yield_leaves_the_latest_lateness_counted_from_planning():
+    co = coserver(quantile=1.0)
+    for late in (0.004, 0.010, -0.003, 0.006):
+        run_step(co, late)
+    slack = co.scheduler.yield_budget_s(view())  # after the model learnt from the steps
+    assert slack > 0.05
+    assert co.yield_budget_s(view()) == pytest.approx(slack - 0.010)
+    # a step that waited 15 ms for the backward's layer boundary: the forward alone was on time
+    run_step(co, 0.015, waited_s=0.015)
+    slack = co.scheduler.yield_budget_s(view())
+    assert co.yield_budget_s(view()) == pytest.approx(slack - 0.015)
+
+
+def test_a_yield_that_overran_counts_against_the_step_after_it():
+    co = coserver(quantile=1.0)
+    for _ in range(4):
+        run_step(co, 0.0)
+    co.trainer.backward.overshoot_s = 0.02  # the host got the machine back 20 ms late
+    co.yield_to_backward(0.05, threading.Event())
+    run_step(co, 0.0)
+    slack = co.scheduler.yield_budget_s(view())
+    assert co.yield_budget_s(view()) == pytest.approx(slack - 0.02)
+    run_step(co, 0.0)  # counted once
+    for _ in range(63):
+        run_step(co, 0.0)  # the window (64) forgets it
+    slack = co.scheduler.yield_budget_s(view())
+    assert co.yield_budget_s(view()) == pytest.approx(slack - 2 * LAYER_S)
+
+
+def test_yield_keeps_two_layers_when_steps_run_early():
+    co = coserver()
+    for _ in range(4):
+        run_step(co, -0.004)  # 4 ms early (the prediction is 6 ms)
+    slack = co.scheduler.yield_budget_s(view())
+    assert co.yield_budget_s(view()) == pytest.approx(slack - 2 * LAYER_S)
+
+
+def test_yield_is_capped_and_none_without_room():
+    co = coserver(max_yield_s=0.01)
+    for _ in range(4):
+        run_step(co, 0.0)
+    assert co.yield_budget_s(view()) == 0.01
+    co = coserver()
+    for _ in range(4):
+        run_step(co, 1.0)  # steps a second late, more than the whole slack: nothing to lend
+    assert 0 < co.scheduler.yield_budget_s(view()) < 1.0
+    assert co.yield_budget_s(view()) == 0.0

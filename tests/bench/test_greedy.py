@@ -1,5 +1,7 @@
 """The greedy control: admits to the step limit whatever Δ says."""
 
+import math
+
 from deltaserve.bench.greedy import GreedyScheduler
 from deltaserve.core import (
     AdmissionConfig,
@@ -61,8 +63,14 @@ def test_greedy_keeps_the_capacity_rules():
     assert list(plan.shape.ft_lens) == brute_force(45, 5)
 
 
-def test_greedy_lends_no_slack_to_the_backward():
-    idle_decode = SchedulingView(StepShape(num_decode=1, kv_tokens=10), now_s=0.0,
-                                 oldest_decode_token_s=0.0)
-    assert make(AdmissionScheduler).yield_budget_s(idle_decode) > 0
-    assert make(GreedyScheduler).yield_budget_s(idle_decode) == 0.0
+def test_greedy_lends_time_to_the_backward_blind_to_delta():
+    def view(waited_s: float) -> SchedulingView:
+        return SchedulingView(StepShape(num_decode=1, kv_tokens=10), now_s=waited_s,
+                              oldest_decode_token_s=0.0)
+
+    priced = make(AdmissionScheduler)
+    assert priced.yield_budget_s(view(0.0)) > 0
+    assert priced.yield_budget_s(view(10.0)) < 0  # past the TPOT objective: no slack
+    # unbounded whatever the slack (the co-server caps it at max_yield_s)
+    assert make(GreedyScheduler).yield_budget_s(view(0.0)) == math.inf
+    assert make(GreedyScheduler).yield_budget_s(view(10.0)) == math.inf

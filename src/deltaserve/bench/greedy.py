@@ -3,9 +3,11 @@
 It keeps every rule of Algorithm 1 that is about capacity (nothing while the backward runs
 unless pipelined, a full buffer, an empty pool, the host's per-step token and sequence limits,
 ``max_ft_tokens_per_step``, the backward batch being filled) and drops the one about time: the
-latency model and the requests' slack play no part. It lends no slack to the backward either
-(:meth:`yield_budget_s` is 0), so nothing it does depends on the SLO: one run of it can be
-scored against every SLO of a sweep.
+latency model and the requests' slack play no part. On a host that lends the machine to the
+backward between steps (the ``exclusive`` grant), it time-slices blind to Δ too: while the
+backward has work, every step is preceded by the longest yield the co-server allows
+(``max_yield_s``, the cap DeltaServe's priced yields have), whatever the requests' slack. Nothing
+it does depends on the SLO, so one run of it can be scored against every SLO of a sweep.
 
 Its purpose is to prove an SLO binds: if ``greedy`` meets the SLO as well as ``deltaserve``,
 the SLO is too loose to tell a policy that prices its steps from one that does not.
@@ -20,7 +22,7 @@ from deltaserve.core.admission import AdmissionPlan, AdmissionScheduler, Schedul
 
 class GreedyScheduler(AdmissionScheduler):
     def yield_budget_s(self, view: SchedulingView) -> float:
-        return 0.0
+        return math.inf  # the co-server caps it at max_yield_s
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
              batch_room_tokens: int | None = None) -> AdmissionPlan:

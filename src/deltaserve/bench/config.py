@@ -43,7 +43,7 @@ class BenchConfig:
     duration_s: float | None = field(default=None, metadata={"flag": "duration"})
     dataset: str | None = None
     skip_bad_rows: bool = False
-    slo_scale: float = 1.5
+    slo_scale: float = 2.0
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     slo_sweep: str | None = None

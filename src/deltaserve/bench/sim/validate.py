@@ -8,9 +8,11 @@ bench run of the same trace and seed, system by system.
 
 Everything the real run chose is read from its ``results.json``: the trace is rebuilt from the
 same generator, seed and length scale at the rate factor its auto-scaling picked; the SLO is the
-one its pilot derived. The hardware shares are the CPU bench's (``bench.execute``): the pilot's
-host on every thread; the co-serving hosts and split-pool's on all but the backward's (or the
-standalone trainer's) threads; each priced by the profile measured on that many threads.
+one its pilot derived; each system's hardware share is the one it recorded (the pilot's host on
+every thread; split-pool's, and co-serving hosts on partitioned cores, on all but the trainer's
+threads), priced by the profile measured on that many threads. The simulated backward runs on
+its own cores (``partition``), so a real run whose co-serving systems shared the host's cores
+(``--backward-grant-policy exclusive``, the CPU bench's default) is refused.
 Nothing here is fitted to the real run: it is only read to be compared with.
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
-from deltaserve.bench.execute import hardware_share
+from deltaserve.bench.outcome import HardwareShare
 from deltaserve.bench.prepare import build_trace, calibration_config, host_limits, load_data
 from deltaserve.bench.sim.compare import comparison_doc, comparison_markdown
 from deltaserve.bench.sim.config import SimBenchConfig
@@ -32,6 +34,7 @@ from deltaserve.bench.sim.run import SimSetup, run_system, scored_json
 from deltaserve.bench.sim.score import SimOutcome
 from deltaserve.bench.systems import parse_systems
 from deltaserve.core.config_io import from_dict
+from deltaserve.core.errors import InputError
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.sim.calibrate import calibrate
 from deltaserve.hosts.sim.catalogue import ModelShape
@@ -103,9 +106,11 @@ class Inputs:
     slo: SLOConfig
     profiles: dict[int, ThreadProfile]
     shape: ModelShape
+    shares: dict[str, HardwareShare]
 
 
 def inputs(real: dict, profile_path: str, work: Path) -> Inputs:
+    shares = recorded_shares(real)  # before any model loads
     cfg = real_config(real)
     model_path = resolve_model(cfg.engine.model)
     trace = build_trace(cfg, None, host_limits(cfg, model_path)).trace  # type: ignore[arg-type]
@@ -113,7 +118,21 @@ def inputs(real: dict, profile_path: str, work: Path) -> Inputs:
     data = SimData(bench_data.path, bench_data.samples, bench_data.report)
     slo = SLOConfig(real["slo"]["ttft_ms"] / 1e3, real["slo"]["tpot_ms"] / 1e3)
     return Inputs(cfg, real["machine"]["threads"], trace, data, slo,
-                  load_profile(profile_path), model_shape(cfg))
+                  load_profile(profile_path), model_shape(cfg), shares)
+
+
+def recorded_shares(real: dict) -> dict[str, HardwareShare]:
+    """Each system's hardware share as the real run recorded it; every co-serving system's
+    backward must have had its own cores, as the simulated one does."""
+    shares = {}
+    for spec in parse_systems(real["config"]["systems"]):
+        share = HardwareShare(**real["systems"][spec.name]["hardware_share"])
+        if spec.coserve and not share.reserved:
+            raise InputError("real", spec.name, "its backward shared the host's cores; the "
+                             "validation simulates it on cores of its own: compare with a run "
+                             "made with --backward-grant-policy partition")
+        shares[spec.name] = share
+    return shares
 
 
 def setup_for(ins: Inputs, host_threads: int, trainer_threads: int) -> SimSetup:
@@ -130,7 +149,7 @@ def simulate(ins: Inputs, echo=print) -> tuple[dict[str, SimOutcome], dict[int, 
     setups: dict[tuple[int, int], SimSetup] = {}
     outcomes = {}
     for spec in parse_systems(ins.cfg.systems):
-        share = hardware_share(ins.cfg, spec, ins.threads)
+        share = ins.shares[spec.name]
         trainer = share.reserved or ins.cfg.backward.threads or 1
         key = (share.host, trainer)
         if key not in setups:

@@ -92,6 +92,22 @@ def test_greedy_stops_at_first_sample_that_violates_delta():
     assert plan.predicted_s == pytest.approx(exact(plan.shape), rel=1e-6)
 
 
+def test_a_reserve_leaves_delta_unspent_as_a_step_that_starts_later_would():
+    # a step with 0.2 s of TTFT slack that must keep 0.08 s of it admits exactly what the same
+    # step planned 0.08 s later (0.12 s of slack) admits
+    lengths = (10, 20, 30, 40, 50, 60)
+    waiting = (WaitingRequest(arrival_s=99.7),)
+    kept = make(lengths=lengths)[0].plan(view(StepShape((100,)), waiting=waiting),
+                                         reserve_s=0.08)
+    later = make(lengths=lengths)[0].plan(view(StepShape((100,)), now_s=100.08,
+                                               waiting=waiting))
+    assert kept.shape.ft_lens == later.shape.ft_lens and kept.skip is Skip.OVER_BUDGET
+    assert exact(kept.shape) <= 0.12 < exact(StepShape((100,)).with_ft(
+        (*kept.shape.ft_lens, lengths[len(kept.shape.ft_lens)])))
+    unreserved = make(lengths=lengths)[0].plan(view(StepShape((100,)), waiting=waiting))
+    assert len(unreserved.shape.ft_lens) > len(kept.shape.ft_lens)
+
+
 def test_budget_exhausted_by_inference_only_batch():
     sched, pool, ledger = make()
     big = StepShape((700,))  # 0.49 + 0.7 + 0.01 s > 0.5 - 0.1 s slack

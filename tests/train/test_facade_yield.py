@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from deltaserve.core import SchedulingView, StepShape
-from deltaserve.core.admission import AdmissionPlan
+from deltaserve.core.admission import AdmissionPlan, AdmissionScheduler
 from deltaserve.core.contract import StepReport, TrainingRows
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.yield_reserve import YieldReserveConfig
@@ -77,6 +77,16 @@ class Clock:
         return self.now_s
 
 
+class RecordingScheduler(AdmissionScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reserves: list[float] = []
+
+    def plan(self, view, **kwargs):
+        self.reserves.append(kwargs["reserve_s"])
+        return super().plan(view, **kwargs)
+
+
 def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
     reserve = YieldReserveConfig(quantile=quantile, window=64, min_steps=min_steps)
     config = CoServeConfig(slo=SLO, backward=BackwardConfig(
@@ -85,7 +95,7 @@ def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
     samples = [TrainingSample(0, (1, 2, 3), (1, 2, 3))]
     return BaseCoServer(config, LIMITS, samples, StandInTrainer,
                         latency_model=copy.deepcopy(MODEL),  # it learns from the steps
-                        clock=Clock())
+                        scheduler_cls=RecordingScheduler, clock=Clock())
 
 
 def run_step(co: BaseCoServer, seconds_past_prediction: float, waited_s: float = 0.0) -> None:
@@ -157,3 +167,13 @@ def test_yield_is_capped_and_none_without_room():
         run_step(co, 1.0)  # steps a second late, more than the whole slack: nothing to lend
     assert 0 < co.scheduler.yield_budget_s(view()) < 1.0
     assert co.yield_budget_s(view()) == 0.0
+
+
+def test_admission_after_a_yield_keeps_the_yields_reserve():
+    co = coserver(quantile=1.0)
+    for _ in range(4):
+        run_step(co, 0.010)
+    co.yield_to_backward(0.05, threading.Event())
+    run_step(co, 0.0)  # the step the yield came before
+    run_step(co, 0.0)  # a step with no yield before it
+    assert co.scheduler.reserves == [0.0] * 4 + [pytest.approx(0.010), 0.0]

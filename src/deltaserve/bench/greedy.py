@@ -25,7 +25,8 @@ class GreedyScheduler(AdmissionScheduler):
         return math.inf  # the co-server caps it at max_yield_s
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
-             batch_room_tokens: int | None = None) -> AdmissionPlan:
+             batch_room_tokens: int | None = None, reserve_s: float = 0.0) -> AdmissionPlan:
+        # blind to Δ, and so to the reserve a yield kept (reserve_s)
         proposed = view.proposed
         skip = self._gate(view, backward_running, batch_room_tokens)
         if skip is not None:

@@ -56,7 +56,8 @@ class LLMStationScheduler(AdmissionScheduler):
             self.cache[(shape.num_decode, _bucket(shape.num_ft_tokens))] = seconds
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
-             batch_room_tokens: int | None = None) -> AdmissionPlan:
+             batch_room_tokens: int | None = None, reserve_s: float = 0.0) -> AdmissionPlan:
+        # LLMStation prices by its own lookup: DeltaServe's yield reserve (reserve_s) plays no part
         proposed = view.proposed
         skip = self._precheck(view, backward_running)
         if skip is None and proposed.prefill_lens:

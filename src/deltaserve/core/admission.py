@@ -186,20 +186,22 @@ class AdmissionScheduler:
         return room_tokens, room_seqs, batch_room
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
-             batch_room_tokens: int | None = None) -> AdmissionPlan:
+             batch_room_tokens: int | None = None, reserve_s: float = 0.0) -> AdmissionPlan:
         """Admit samples into ``view.proposed``.
 
         ``backward_running``: the backward process is busy with the previous batch.
         ``batch_room_tokens``: tokens still missing from the backward batch being filled. A
         sample may start only while the batch is short (the last one may overshoot), so every
         sample of a batch is forwarded with the adapter the backward will differentiate.
+        ``reserve_s``: seconds of Δ the step must leave unspent (after a yield to the backward,
+        the reserve the yield kept for the step's lateness; see :mod:`deltaserve.core.yield_reserve`).
         """
         proposed = view.proposed
         skip = self._gate(view, backward_running, batch_room_tokens)
         if skip is not None:
             return AdmissionPlan((), proposed, None, math.nan, skip)
         budget = self.budget(view)
-        delta = budget.delta_s
+        delta = budget.delta_s - reserve_s
         pricer = self.model.ft_pricer(proposed)
         assert pricer is not None  # _precheck: calibrated
         base_s = pricer.upper_s(0, 0) if proposed.has_inference else 0.0

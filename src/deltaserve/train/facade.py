@@ -57,6 +57,7 @@ class BaseCoServer:
         self._clock = clock
         self._planned_at_s = 0.0  # when the step in flight was planned
         self._overshoot_s = 0.0  # how far the last yield ran past what it was lent
+        self._lent_reserve_s = 0.0  # the reserve the yield before the next step kept
         # production counters (the service's /metrics reads them through stats())
         self._skips: Counter[str] = Counter()
         self._timing: Counter[str] = Counter()
@@ -71,8 +72,10 @@ class BaseCoServer:
         t = self.trainer
         t.poll()
         room = self.config.backward.batch_tokens - self.book.ready_tokens
+        # after a yield, admission (when it may run beside the backward) keeps its reserve too
+        reserve_s, self._lent_reserve_s = self._lent_reserve_s, 0.0
         plan = self.scheduler.plan(view, backward_running=t.backward.busy,
-                                   batch_room_tokens=room)
+                                   batch_room_tokens=room, reserve_s=reserve_s)
         if plan.skip is not None:
             self._skips[plan.skip.value] += 1
         if plan.sample_ids:
@@ -142,6 +145,7 @@ class BaseCoServer:
     def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
         given = self.trainer.backward.lend(seconds, wake)
         self._overshoot_s = max(0.0, given - seconds)
+        self._lent_reserve_s = self._reserve.reserve_s(2 * self.trainer.backward.layer_s)
         self.trainer.counts["yields"] += 1
         self.trainer.poll()
         return given

@@ -194,7 +194,7 @@ class AdmissionScheduler:
         sample may start only while the batch is short (the last one may overshoot), so every
         sample of a batch is forwarded with the adapter the backward will differentiate.
         ``reserve_s``: seconds of Δ the step must leave unspent (after a yield to the backward,
-        the reserve the yield kept for the step's lateness; see :mod:`deltaserve.core.yield_reserve`).
+        the reserve the yield kept for the step's lateness: :mod:`deltaserve.core.yield_reserve`).
         """
         proposed = view.proposed
         skip = self._gate(view, backward_running, batch_room_tokens)

@@ -26,9 +26,6 @@ class StandInBackward:
     exclusive = True
     layer_s = LAYER_S
 
-    def __init__(self):
-        self.overshoot_s = 0.0
-
     def before_step(self, shape: StepShape) -> None:
         pass
 
@@ -39,7 +36,7 @@ class StandInBackward:
         pass
 
     def lend(self, seconds: float, wake: threading.Event) -> float:
-        return seconds + self.overshoot_s
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -98,13 +95,15 @@ def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
                         scheduler_cls=RecordingScheduler, clock=Clock())
 
 
-def run_step(co: BaseCoServer, seconds_past_prediction: float, waited_s: float = 0.0) -> None:
-    """A step planned at 0 that waited ``waited_s`` (for the backward to stop, the co-server's
-    own bookkeeping) besides its forward, and ended ``seconds_past_prediction`` late."""
-    co._clock.now_s = 0.0
+def run_step(co: BaseCoServer, seconds_past_prediction: float, waited_s: float = 0.0,
+             planned_at_s: float = 0.0) -> None:
+    """A step planned at ``planned_at_s`` that waited ``waited_s`` (for the backward to stop,
+    the co-server's own bookkeeping) besides its forward, and ended ``seconds_past_prediction``
+    after its prediction."""
+    co._clock.now_s = planned_at_s
     step = co.plan(SchedulingView(DECODE, now_s=0.0, oldest_decode_token_s=0.0))
     predicted_s = co.latency.predict_upper(DECODE)
-    co._clock.now_s = predicted_s + seconds_past_prediction
+    co._clock.now_s = planned_at_s + predicted_s + seconds_past_prediction
     co.observe(StepReport(step, DECODE, predicted_s + seconds_past_prediction - waited_s))
 
 
@@ -137,9 +136,9 @@ def test_a_yield_that_overran_counts_against_the_step_after_it():
     co = coserver(quantile=1.0)
     for _ in range(4):
         run_step(co, 0.0)
-    co.trainer.backward.overshoot_s = 0.02  # the host got the machine back 20 ms late
+    co._clock.now_s = 1.0
     co.yield_to_backward(0.05, threading.Event())
-    run_step(co, 0.0)
+    run_step(co, 0.0, planned_at_s=1.07)  # the host got the machine back 20 ms late
     slack = co.scheduler.yield_budget_s(view())
     assert co.yield_budget_s(view()) == pytest.approx(slack - 0.02)
     run_step(co, 0.0)  # counted once
@@ -174,6 +173,6 @@ def test_admission_after_a_yield_keeps_the_yields_reserve():
     for _ in range(4):
         run_step(co, 0.010)
     co.yield_to_backward(0.05, threading.Event())
-    run_step(co, 0.0)  # the step the yield came before
+    run_step(co, 0.0, planned_at_s=0.03)  # the step the yield came before (woken early)
     run_step(co, 0.0)  # a step with no yield before it
     assert co.scheduler.reserves == [0.0] * 4 + [pytest.approx(0.010), 0.0]

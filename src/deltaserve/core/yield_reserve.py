@@ -7,10 +7,14 @@ at a layer boundary running past the yield, becomes a miss. And the TPOT objecti
 request's longest gap, a maximum over every step it decodes in: a per-step miss rate of a few
 percent fails most requests that decode for tens of steps.
 
-So a yield leaves a reserve unspent: a high quantile of how late recent inference steps ended,
-measured from the moment each was planned (the wait for the backward to park included) against
-its margin-inflated prediction; never less than the layer-boundary floor the caller gives. It
-yields nothing until it has seen enough steps to know how late they run.
+So a yield leaves a reserve unspent: how late recent inference steps ended against their
+margin-inflated predictions, counted from when each was due to start (the wait for the backward
+to park, the co-server's bookkeeping and a yield's overrun included); never less than the
+layer-boundary floor the caller gives. The default keeps the latest of the window's steps
+(quantile 1): a request decodes for tens of steps and misses its TPOT objective if any one of
+them runs late, so a per-step quantile such as the p99 leaves most long requests exposed
+(measured: with the p99, 4 of 92 requests missed by up to 5 %). It yields nothing until it has
+seen enough steps to know how late they run.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class YieldReserveConfig:
     """``quantile`` of the last ``window`` inference steps' lateness is kept unspent;
     ``min_steps``: steps seen before the first yield."""
 
-    quantile: float = 0.99
+    quantile: float = 1.0
     window: int = 512
     min_steps: int = 32
 

@@ -55,8 +55,8 @@ class BaseCoServer:
         self._abort = threading.Event()
         self._reserve = YieldReserve(self.config.backward.yield_reserve)
         self._clock = clock
-        self._planned_at_s = 0.0  # when the step in flight was planned
-        self._overshoot_s = 0.0  # how far the last yield ran past what it was lent
+        self._planned_at_s = 0.0  # when the step in flight started: planned, or due after a yield
+        self._due_s = float("inf")  # when the yield before the next step was due to end
         self._lent_reserve_s = 0.0  # the reserve the yield before the next step kept
         # production counters (the service's /metrics reads them through stats())
         self._skips: Counter[str] = Counter()
@@ -68,7 +68,9 @@ class BaseCoServer:
 
     # ---- the host contract (CoServingHooks) -------------------------------------------------
     def plan(self, view: SchedulingView) -> TrainingStep:
-        self._planned_at_s = self._clock()
+        # a step's time runs from its planning, or from when the yield before it was due to
+        # end if the host got the machine back later (the yield overran, the poll after it)
+        self._planned_at_s, self._due_s = min(self._clock(), self._due_s), float("inf")
         t = self.trainer
         t.poll()
         room = self.config.backward.batch_tokens - self.book.ready_tokens
@@ -109,8 +111,7 @@ class BaseCoServer:
         self._abort.clear()
         t.maybe_launch()
         if upper_s is not None:
-            self._reserve.observe(self._clock() - self._planned_at_s + self._overshoot_s - upper_s)
-        self._overshoot_s = 0.0
+            self._reserve.observe(self._clock() - self._planned_at_s - upper_s)
 
     def on_arrival(self) -> None:
         self._abort.set()
@@ -136,15 +137,15 @@ class BaseCoServer:
     def _upper_s(self, report: StepReport) -> float | None:
         """The margin-inflated prediction of an inference step that ran whole, before the
         latency model learns from it. Its lateness, what the yield reserve learns from, is the
-        time from planning to the end of :meth:`observe` (the wait for the backward to stop, the
-        forward, this bookkeeping) plus the overshoot of the yield before it, less this."""
+        time from its start (see :meth:`plan`) to the end of :meth:`observe` (the wait for the
+        backward to stop, the forward, this bookkeeping), less this."""
         if report.aborted or not report.shape.has_inference or not self.latency.is_calibrated:
             return None
         return self.latency.predict_upper(report.shape)
 
     def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
+        self._due_s = self._clock() + seconds
         given = self.trainer.backward.lend(seconds, wake)
-        self._overshoot_s = max(0.0, given - seconds)
         self._lent_reserve_s = self._reserve.reserve_s(2 * self.trainer.backward.layer_s)
         self.trainer.counts["yields"] += 1
         self.trainer.poll()

@@ -1,11 +1,13 @@
 """The split-pool baseline's standalone trainer."""
 
 import itertools
+import os
 import random
 import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from deltaserve.bench.split_pool import StandaloneTrainer, _batches, pool_order
@@ -90,3 +92,35 @@ def test_trainer_that_cannot_start_is_an_error(tmp_path):
                                 OptimizerConfig(), batch_tokens=64, threads=1)
     with pytest.raises(RuntimeError, match="exited during start-up"):
         trainer.start(timeout_s=120)
+
+
+def _start_and_die(model_dir: str, pid) -> None:
+    """A bench that is killed: it starts a trainer and exits without stopping it."""
+    trainer = StandaloneTrainer(model_dir, fx.samples(12), LoRAConfig(r=4, alpha=8),
+                                OptimizerConfig(), batch_tokens=64, threads=1)
+    trainer.start()
+    pid.value = trainer._proc.pid  # shared memory: written before the exit below
+    os._exit(0)  # no atexit, no stop: as after SIGKILL
+
+
+def test_trainer_of_a_killed_bench_exits_instead_of_training_on(tmp_path):
+    hf_tiny_llama(seed=3).save_pretrained(tmp_path)
+    ctx = mp.get_context("spawn")
+    shared_pid = ctx.Value("i", 0)
+    bench = ctx.Process(target=_start_and_die, args=(str(tmp_path), shared_pid))
+    bench.start()
+    bench.join(timeout=180)
+    pid = shared_pid.value
+    assert bench.exitcode == 0 and pid
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"  # a zombie has exited

@@ -78,8 +78,11 @@ def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAC
     opt = torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
                             betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps)
     ready.value = 1
+    parent = mp.parent_process()
     for batch in _batches(samples, batch_tokens, seed):
-        if stop.value:
+        # a killed bench never sets stop (daemon children are reaped only on a clean exit):
+        # an orphan would train on, taking a core from whatever runs next
+        if stop.value or (parent is not None and not parent.is_alive()):
             return
         n = max(s.num_tokens for s in batch)
         pad = [n - s.num_tokens for s in batch]

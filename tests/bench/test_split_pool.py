@@ -123,4 +123,5 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"  # a zombie has exited
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"  # a zombie has exited

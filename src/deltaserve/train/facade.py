@@ -15,6 +15,7 @@ samples, so each is trained exactly once per epoch.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -56,7 +57,7 @@ class BaseCoServer:
         self._reserve = YieldReserve(self.config.backward.yield_reserve)
         self._clock = clock
         self._planned_at_s = 0.0  # when the step in flight started: planned, or due after a yield
-        self._due_s = float("inf")  # when the yield before the next step was due to end
+        self._due_s = math.inf  # when the yield before the next step was due to end
         self._lent_reserve_s = 0.0  # the reserve the yield before the next step kept
         # production counters (the service's /metrics reads them through stats())
         self._skips: Counter[str] = Counter()
@@ -70,7 +71,7 @@ class BaseCoServer:
     def plan(self, view: SchedulingView) -> TrainingStep:
         # a step's time runs from its planning, or from when the yield before it was due to
         # end if the host got the machine back later (the yield overran, the poll after it)
-        self._planned_at_s, self._due_s = min(self._clock(), self._due_s), float("inf")
+        self._planned_at_s, self._due_s = min(self._clock(), self._due_s), math.inf
         t = self.trainer
         t.poll()
         room = self.config.backward.batch_tokens - self.book.ready_tokens
@@ -138,7 +139,11 @@ class BaseCoServer:
         """The margin-inflated prediction of an inference step that ran whole, before the
         latency model learns from it. Its lateness, what the yield reserve learns from, is the
         time from its start (see :meth:`plan`) to the end of :meth:`observe` (the wait for the
-        backward to stop, the forward, this bookkeeping), less this."""
+        backward to stop, the forward, this bookkeeping), less this. ``None`` where the host
+        never yields (the reserve is not needed, and steps pay for no extra prediction)."""
+        b, bw = self.config.backward, self.trainer.backward
+        if not (bw.exclusive and b.yield_to_backward):
+            return None
         if report.aborted or not report.shape.has_inference or not self.latency.is_calibrated:
             return None
         return self.latency.predict_upper(report.shape)

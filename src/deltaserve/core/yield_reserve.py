@@ -13,7 +13,7 @@ to park, the co-server's bookkeeping and a yield's overrun included); never less
 layer-boundary floor the caller gives. The default keeps the latest of the window's steps
 (quantile 1): a request decodes for tens of steps and misses its TPOT objective if any one of
 them runs late, so a per-step quantile such as the p99 leaves most long requests exposed
-(measured: with the p99, 4 of 92 requests missed by up to 5 %). It yields nothing until it has
+(a run with the p99 still had requests miss by a few percent). It yields nothing until it has
 seen enough steps to know how late they run.
 """
 

@@ -32,7 +32,7 @@ def test_reserve_is_the_quantile_never_below_the_floor():
 
 
 def test_budget_is_the_slack_less_the_reserve_capped_and_floored():
-    r = YieldReserve(YieldReserveConfig(quantile=1.0, window=4, min_steps=1))
+    r = YieldReserve(YieldReserveConfig(quantile=1.0, window=4, min_steps=1, spend_fraction=1.0))
     r.observe(0.05)
     assert r.budget_s(slack_s=0.30, floor_s=0.01, cap_s=0.5) == pytest.approx(0.25)
     assert r.budget_s(slack_s=3.00, floor_s=0.01, cap_s=0.5) == 0.5
@@ -40,6 +40,17 @@ def test_budget_is_the_slack_less_the_reserve_capped_and_floored():
     assert r.budget_s(slack_s=0.055, floor_s=0.01, cap_s=0.5) == 0.0
     assert r.budget_s(slack_s=-1.0, floor_s=0.01, cap_s=0.5) == 0.0
     # an SLO-blind caller's unbounded slack is capped
+    assert r.budget_s(slack_s=math.inf, floor_s=0.01, cap_s=0.5) == 0.5
+
+
+def test_budget_spends_only_its_fraction_of_what_the_reserve_leaves():
+    r = YieldReserve(YieldReserveConfig(quantile=1.0, window=4, min_steps=1, spend_fraction=0.4))
+    r.observe(0.05)
+    # (0.30 - 0.05) * 0.4: the rest of the slack stays for a step later than any seen
+    assert r.budget_s(slack_s=0.30, floor_s=0.01, cap_s=0.5) == pytest.approx(0.10)
+    assert r.budget_s(slack_s=3.00, floor_s=0.01, cap_s=0.5) == 0.5
+    # 0.4 * (0.07 - 0.05) = 0.008: less than a layer, so no yield (at fraction 1 there was one)
+    assert r.budget_s(slack_s=0.07, floor_s=0.01, cap_s=0.5) == 0.0
     assert r.budget_s(slack_s=math.inf, floor_s=0.01, cap_s=0.5) == 0.5
 
 
@@ -66,6 +77,8 @@ def test_non_finite_lateness_is_ignored():
     ("yield_reserve_quantile", {"quantile": 1.5}),
     ("yield_reserve_window", {"window": 0}),
     ("yield_reserve_min_steps", {"min_steps": 600}),
+    ("yield_reserve_spend_fraction", {"spend_fraction": 0.0}),
+    ("yield_reserve_spend_fraction", {"spend_fraction": 1.2}),
 ])
 def test_bad_config_names_the_field(field, kwargs):
     with pytest.raises(InputError, match=field):

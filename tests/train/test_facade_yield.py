@@ -85,7 +85,9 @@ class RecordingScheduler(AdmissionScheduler):
 
 
 def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
-    reserve = YieldReserveConfig(quantile=quantile, window=64, min_steps=min_steps)
+    # every slack the reserve leaves is spent: these tests check the reserve's arithmetic
+    reserve = YieldReserveConfig(quantile=quantile, window=64, min_steps=min_steps,
+                                 spend_fraction=1.0)
     config = CoServeConfig(slo=SLO, backward=BackwardConfig(
         grant_policy=GrantPolicy.EXCLUSIVE, threads=1, max_yield_s=max_yield_s,
         yield_reserve=reserve))

@@ -15,6 +15,10 @@ layer-boundary floor the caller gives. The default keeps the latest of the windo
 them runs late, so a per-step quantile such as the p99 leaves most long requests exposed
 (a run with the p99 still had requests miss by a few percent). It yields nothing until it has
 seen enough steps to know how late they run.
+
+The window's latest step is only the latest *seen*: the next one may run later still, and one
+such step fails every request decoding through it. So a yield spends only ``spend_fraction`` of
+the slack the reserve leaves, keeping the rest for lateness the window has not seen yet.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from deltaserve.core.errors import require
 @dataclass(frozen=True)
 class YieldReserveConfig:
     """``quantile`` of the last ``window`` inference steps' lateness is kept unspent;
-    ``min_steps``: steps seen before the first yield."""
+    ``min_steps``: steps seen before the first yield; ``spend_fraction``: the share of the slack
+    left after the reserve that one yield may spend."""
 
     quantile: float = 1.0
     window: int = 512
     min_steps: int = 32
+    spend_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         require(0.0 < self.quantile <= 1.0, "yield_reserve_quantile", self.quantile,
@@ -43,6 +49,8 @@ class YieldReserveConfig:
         require(self.window >= 1, "yield_reserve_window", self.window, "must be >= 1")
         require(1 <= self.min_steps <= self.window, "yield_reserve_min_steps", self.min_steps,
                 f"must be in [1, window={self.window}]")
+        require(0.0 < self.spend_fraction <= 1.0, "yield_reserve_spend_fraction",
+                self.spend_fraction, "must be in (0, 1]")
 
 
 class YieldReserve:
@@ -72,11 +80,11 @@ class YieldReserve:
         return max(floor_s, q)
 
     def budget_s(self, slack_s: float, floor_s: float, cap_s: float) -> float:
-        """The yield for a step whose SLOs leave ``slack_s`` after its prediction: the slack less
-        the reserve, at most ``cap_s``; none if less than ``floor_s`` would remain (the
-        backward could not finish a layer in it)."""
+        """The yield for a step whose SLOs leave ``slack_s`` after its prediction:
+        ``spend_fraction`` of the slack less the reserve, at most ``cap_s``; none if that is
+        less than ``floor_s`` (the backward could not finish a layer in it)."""
         reserve_s = self.reserve_s(floor_s)
         if math.isinf(reserve_s):
             return 0.0
-        usable = slack_s - reserve_s
-        return min(usable, cap_s) if usable >= floor_s else 0.0
+        spend_s = self.config.spend_fraction * (slack_s - reserve_s)
+        return min(spend_s, cap_s) if spend_s >= floor_s else 0.0

@@ -81,8 +81,12 @@ class BackwardDriver:
         """Take the machine back for a step that needs it."""
         grant = self.process.grant
         if self.exclusive:
-            grant.clear()  # the step gets every core: wait out the backward's current layer
-            self.process.wait_parked(3 * self.layer_s)
+            # the step gets every core: wait out the backward's current layer, however long
+            # (the one through the LM head and the loss takes longer than a decoder layer; a
+            # step that ran beside the backward would run late by the cores it lost). The
+            # wait is part of the step's lateness, which the yield reserve keeps back.
+            grant.clear()
+            self.process.wait_parked(self.config.park_timeout_s)
         elif self.config.grant_policy is GrantPolicy.PREFILL and (shape.prefill_lens
                                                                    or shape.ft_lens):
             grant.clear()

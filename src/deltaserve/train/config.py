@@ -43,7 +43,10 @@ class BackwardConfig:
     it reaches this). ``buffer_tokens``: activation-buffer rows (default: one batch plus the
     longest sample). ``threads``: the backward's torch threads (default: every core under
     ``exclusive``, one otherwise). ``max_yield_s``: the longest single yield;
-    ``yield_reserve``: the slack a yield leaves unspent (:mod:`deltaserve.core.yield_reserve`)."""
+    ``yield_reserve``: the slack a yield leaves unspent (:mod:`deltaserve.core.yield_reserve`).
+    ``park_timeout_s``: under ``exclusive``, the longest a step waits for the backward to
+    stop at its next layer boundary; past it (a hung backward) the step runs beside it, so a
+    training fault slows inference but never stops it."""
 
     batch_tokens: int = 256
     buffer_tokens: int | None = None
@@ -54,6 +57,7 @@ class BackwardConfig:
     yield_to_backward: bool = field(default=True, metadata={"flag": "yield"})
     max_yield_s: float = 0.5
     yield_reserve: YieldReserveConfig = field(default_factory=YieldReserveConfig)
+    park_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         require(self.batch_tokens > 0, "backward_batch_tokens", self.batch_tokens, "must be > 0")
@@ -64,6 +68,7 @@ class BackwardConfig:
                 "must be >= 1")
         coerce_enum(self, "grant_policy", GrantPolicy)
         require(self.max_yield_s > 0, "max_yield_s", self.max_yield_s, "must be > 0")
+        require(self.park_timeout_s > 0, "park_timeout_s", self.park_timeout_s, "must be > 0")
 
 
 @dataclass(frozen=True)

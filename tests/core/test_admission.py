@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import math
 
@@ -193,11 +194,24 @@ def test_uncalibrated_model_admits_nothing():
 
 def test_queue_wait_tightens_ttft():
     sched, _, _ = make()
-    rate = sched.queue_s_per_token()
+    rate = sched.queue_s_per_token(StepShape((100,)))
     assert rate == pytest.approx(exact(StepShape((2048,))) / 2048, rel=1e-6)
     v = view(StepShape((100,)), waiting=(WaitingRequest(99.9, 0), WaitingRequest(99.95, 500)))
     assert sched.budget(v).ttft_slack_s == pytest.approx(0.5 - 0.05 - 500 * rate)
     assert math.isinf(sched.budget(view()).delta_s)
+
+
+def test_queue_wait_counts_the_decodes_riding_in_each_step():
+    # a mixed host: 48 decodes take 48 of each step's 2048 tokens and their share of its time
+    sched, _, _ = make()
+    proposed = StepShape((100,), num_decode=48, kv_tokens=5000)
+    rate = sched.queue_s_per_token(proposed)
+    assert rate == pytest.approx(exact(StepShape((2000,), num_decode=48)) / 2000, rel=1e-6)
+    # a phase-separated host runs its prefills alone: the decodes do not slow the queue
+    separated = dataclasses.replace(LIMITS, batching=Batching.PHASE_SEPARATED)
+    sched, _, _ = make(limits=separated)
+    assert sched.queue_s_per_token(proposed) == pytest.approx(exact(StepShape((2048,))) / 2048,
+                                                              rel=1e-6)
 
 
 def test_config_validation():

@@ -133,7 +133,8 @@ class AdmissionScheduler:
         self.model = model
         self.pool = pool
         self.ledger = ledger
-        self._queue_rate: tuple[int, float] = (-1, math.inf)
+        # (model fit, decodes riding along, their KV tokens) → seconds per queued prompt token
+        self._queue_rate: tuple[tuple[int, int, int], float] = ((-1, 0, 0), math.inf)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A step ran. Algorithm 1 learns through the latency model; other policies (the
@@ -149,13 +150,19 @@ class AdmissionScheduler:
             return 0.0
         return self.budget(view).delta_s - self.model.predict_upper(view.proposed)
 
-    def queue_s_per_token(self) -> float:
-        """Predicted seconds per queued prompt token at full steps (cached per model fit)."""
-        version, rate = self._queue_rate
-        if version != self.model.version:
-            n = self.limits.max_tokens_per_step
-            rate = self.model.predict(StepShape((n,))) / n
-            self._queue_rate = (self.model.version, rate)
+    def queue_s_per_token(self, proposed: StepShape) -> float:
+        """Predicted seconds per queued prompt token: a full step's margin-inflated prediction
+        over the prompt tokens it takes. On a mixed-batching host the requests decoding now
+        ride in each such step, taking their share of its tokens and its time (pricing the
+        queue at prompt-only steps let a burst's first tokens run late by whole steps)."""
+        mixed = self.limits.batching is not Batching.PHASE_SEPARATED
+        d = proposed.num_decode if mixed else 0
+        key = (self.model.version, d, proposed.kv_tokens if d else 0)
+        cached, rate = self._queue_rate
+        if cached != key:
+            n = max(1, self.limits.max_tokens_per_step - d)
+            rate = self.model.predict_upper(StepShape((n,), num_decode=d, kv_tokens=key[2])) / n
+            self._queue_rate = (key, rate)
         return rate
 
     def budget(self, view: SchedulingView) -> StepBudget:
@@ -163,7 +170,8 @@ class AdmissionScheduler:
         if view.deferred_decode is not None and self.limits.batching is Batching.PHASE_SEPARATED:
             deferred = self.model.predict_upper(view.deferred_decode)
         return StepBudget(
-            ttft_slack_s(self.slo, view.now_s, view.waiting, self.queue_s_per_token()),
+            ttft_slack_s(self.slo, view.now_s, view.waiting,
+                         self.queue_s_per_token(view.proposed)),
             tpot_slack_s(self.slo, view.now_s, view.oldest_decode_token_s, deferred),
         )
 

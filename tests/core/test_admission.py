@@ -135,6 +135,13 @@ def test_phase_separated_host():
     plan = sched.plan(v)
     assert plan.budget.tpot_slack_s == pytest.approx(0.1 - 0.005 - exact(deferred))
     assert plan.samples and exact(plan.shape) <= plan.budget.delta_s
+    # prompts queued behind this step run before that decode step too (prefill first)
+    rate = exact(StepShape((2048,))) / 2048
+    queued = (WaitingRequest(99.99, 0), WaitingRequest(99.99, 300), WaitingRequest(99.99, 700))
+    v = view(StepShape((50,)), oldest_decode_token_s=99.995, deferred_decode=deferred,
+             waiting=queued)
+    assert sched.budget(v).tpot_slack_s == pytest.approx(0.1 - 0.005 - exact(deferred)
+                                                         - 700 * rate)
 
 
 @pytest.mark.parametrize("setup,skip", [

@@ -166,12 +166,15 @@ class AdmissionScheduler:
         return rate
 
     def budget(self, view: SchedulingView) -> StepBudget:
+        rate = self.queue_s_per_token(view.proposed)
         deferred = 0.0
         if view.deferred_decode is not None and self.limits.batching is Batching.PHASE_SEPARATED:
-            deferred = self.model.predict_upper(view.deferred_decode)
+            # a phase-separated host runs every prompt it can start before its next decode
+            # step (prefill first): the decodes wait for the whole queue behind this step too
+            queued = max((w.tokens_after_step for w in view.waiting), default=0)
+            deferred = self.model.predict_upper(view.deferred_decode) + rate * queued
         return StepBudget(
-            ttft_slack_s(self.slo, view.now_s, view.waiting,
-                         self.queue_s_per_token(view.proposed)),
+            ttft_slack_s(self.slo, view.now_s, view.waiting, rate),
             tpot_slack_s(self.slo, view.now_s, view.oldest_decode_token_s, deferred),
         )
 

@@ -6,7 +6,8 @@
   queue wait is the predicted time, after this step, until its first token. Δ takes the
   tightest waiting request; in FCFS order that is usually the earliest one.
 * TPOT slack: ``T_tpot − (now − t_last_token)`` of the decode request that has waited longest
-  for its next token, less, on a phase-separated host, the decode step this step defers.
+  for its next token, less, on a phase-separated host, the decode step this step defers and
+  the prompts queued behind it (prefill first: they all run before that decode step).
 """
 
 from __future__ import annotations

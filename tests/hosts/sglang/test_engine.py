@@ -71,3 +71,26 @@ def test_a_cached_prefix_is_reported_as_such(host):
     last = log.records[-1].shape  # SGLang's radix cache holds the first prompt
     assert last.prefill_prefix_lens and last.prefill_prefix_lens[0] >= len(prompt) - 1
     assert last.num_prefill_tokens + last.prefill_prefix_lens[0] == len(prompt) + 2
+
+
+def test_each_steps_tokens_reach_the_client_in_that_step(host):
+    """SGLang's socket hands the scheduler's messages over asynchronously: a host that read it
+    without waiting delivered some tokens one step late, after the next step and the yield to
+    the backward before it, so a client saw a gap SGLang never made."""
+    counts: dict[str, int] = {}
+
+    def on_token(out):
+        counts[out.request_id] = len(out.output_token_ids)
+
+    prompts = [[4211, 17, 905, 63], [77, 3120, 8, 16, 5000], [1, 9, 44, 1203]]
+    ids = {host.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True),
+                            callback=on_token) for p in prompts}
+    late, steps = [], 0
+    while host.has_unfinished():
+        before = dict(counts)
+        assert host.step()
+        steps += 1
+        ran = {r.rid.removesuffix(".") for r in host.scheduler.last_batch.reqs} & ids
+        late += [(steps, i) for i in ran if counts.get(i, 0) != before.get(i, 0) + 1]
+    assert steps >= 24 and all(counts[i] == 24 for i in ids)
+    assert late == []

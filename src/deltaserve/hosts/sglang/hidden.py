@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -90,11 +91,35 @@ class HiddenRequests:
         self.ids.difference_update(rids)
 
 
+class CountingSender(SenderWrapper):
+    """SGLang's sender to the detokenizer, counting the messages it sent: whoever reads the
+    other end knows when it has every message of a step (ZMQ hands them over asynchronously)."""
+
+    def __init__(self, socket: Any):
+        super().__init__(socket)
+        self.num_sent = 0
+
+    def send_output(self, output: Any, recv_obj: object | None = None) -> None:
+        super().send_output(output, recv_obj)
+        if self.socket is not None:
+            self.num_sent += 1
+
+
 class HiddenFilteringStreamer(SchedulerOutputStreamer):
     """SGLang's output streamer, minus hidden requests: the one place SGLang turns finished or
-    streamed requests into messages for the detokenizer (and from there the client)."""
+    streamed requests into messages for the detokenizer (and from there the client). It sends
+    through a :class:`CountingSender`."""
 
     hidden: HiddenRequests | None = None  # set per scheduler by the subclass's factory
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.send_to_detokenizer = CountingSender(self.send_to_detokenizer.socket)
+
+    @property
+    def num_sent(self) -> int:
+        """Messages streamed to the detokenizer so far."""
+        return self.send_to_detokenizer.num_sent
 
     def stream_output(self, reqs: list[Any], return_logprob: bool, skip_req: Any = None):
         hidden = self.hidden

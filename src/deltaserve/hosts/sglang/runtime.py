@@ -11,13 +11,16 @@ scheduler error; no parent-death signal; no process title), and runs one iterati
 ``event_loop_normal`` per :meth:`~InProcessRuntime.step`.
 
 The scheduler's outputs still go to its detokenizer socket, which this class binds and reads
-(``BatchTokenIDOutput``: new token ids and finish reasons per request). SGLang's parallel
+(``BatchTokenIDOutput``: new token ids and finish reasons per request), after every step until
+every message the scheduler's streamer sent has arrived. SGLang's parallel
 runtime is process-global: one runtime lives at a time, and :meth:`~InProcessRuntime.close`
 tears it down with SGLang's own ``cleanup_dist_env_and_memory`` so the next can start.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +35,11 @@ from sglang.srt.utils.network import get_zmq_socket
 from deltaserve.hosts.sglang.scheduler import CoServingScheduler
 from deltaserve.hosts.sglang.version import import_sglang
 
+logger = logging.getLogger("deltaserve.sglang")
+
+# how long a step's outputs may take from SGLang's socket to this process's end (microseconds
+# on one machine; past this bound the host goes on and warns)
+DELIVERY_TIMEOUT_S = 1.0
 _live: list[InProcessRuntime] = []  # at most one: SGLang's parallel runtime is per process
 
 
@@ -61,6 +69,7 @@ class InProcessRuntime:
         self._outputs = get_zmq_socket(self._zmq, zmq.PULL, port_args.detokenizer_ipc_name,
                                        True)
         self.scheduler = CoServingScheduler(server_args, port_args)
+        self._num_received = 0  # messages read from the detokenizer socket
         _live.append(self)
 
     def step(self) -> bool:
@@ -70,16 +79,30 @@ class InProcessRuntime:
         return self.scheduler.deltaserve_has_unfinished()
 
     def drain(self, wait_s: float = 0.0) -> list[Output]:
-        """Every output message SGLang sent since the last call (waiting up to ``wait_s`` for
-        the first: ZMQ delivers asynchronously, within microseconds on one machine)."""
+        """Every output message SGLang sent since the last call. Blocks until every message
+        the scheduler's streamer has sent arrived, up to ``DELIVERY_TIMEOUT_S``: ZMQ hands
+        messages over asynchronously, and reading without waiting found some steps' tokens
+        only after the next step, the yield to the backward before it included, which broke
+        TPOT objectives. With nothing due, waits up to ``wait_s`` for a first message."""
         out: list[Output] = []
+        sent = self.scheduler.output_streamer.num_sent
+        deadline = time.monotonic() + DELIVERY_TIMEOUT_S
         timeout_ms = int(wait_s * 1000)
-        while self._outputs.poll(timeout_ms):
+        while True:
+            due = self._num_received < sent
+            if due:
+                timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._outputs.poll(timeout_ms):
+                if due:
+                    logger.warning("SGLang's outputs: %d message(s) sent did not arrive within "
+                                   "%.1f s", sent - self._num_received, DELIVERY_TIMEOUT_S)
+                    self._num_received = sent  # wait for none of them again
+                return out
             msg = sock_recv(self._outputs, flags=zmq.NOBLOCK)
+            self._num_received += 1
             for i, rid in enumerate(msg.rids or []):
                 out.append(Output(rid, list(msg.output_ids[i]), msg.finished_reasons[i]))
             timeout_ms = 0
-        return out
 
     def close(self) -> None:
         """Remove DeltaServe's hooks, close the sockets and tear SGLang's runtime down."""

@@ -69,7 +69,10 @@ class InProcessRuntime:
         self._outputs = get_zmq_socket(self._zmq, zmq.PULL, port_args.detokenizer_ipc_name,
                                        True)
         self.scheduler = CoServingScheduler(server_args, port_args)
-        self._num_received = 0  # messages read from the detokenizer socket
+        # messages read from the detokenizer socket. In this process only the streamer sends on
+        # it (SGLang's control requests come from its tokenizer manager, absent here), so this
+        # pairs with the streamer's count of messages sent.
+        self._num_received = 0
         _live.append(self)
 
     def step(self) -> bool:

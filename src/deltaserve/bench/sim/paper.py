@@ -1,5 +1,6 @@
-"""The simulation beside the paper's numbers (``../shared/DESIGN.md``), and the one-GPU
-ablations. Nothing here feeds back into the simulation: the paper is what it is compared with.
+"""The simulation beside the paper's numbers (Llama-3-8B on 4×A100, as the paper reports them),
+and the one-GPU ablations. Nothing here feeds back into the simulation: the paper is what it is
+compared with.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def comparison(results: dict) -> list[tuple[str, str, str]]:
          _fmt(_pct(get("llmstation", "slo_attainment")), ".1f", " %")),
         ("inference-only SLO attainment", "–",
          _fmt(_pct(get("inference-only", "slo_attainment")), ".1f", " %")),
-        ("DeltaServe mean E2E ÷ split-pool's", "– (not in DESIGN.md)", _fmt(e2e, ".2f", "×")),
+        ("DeltaServe mean E2E ÷ split-pool's", "– (not in the paper)", _fmt(e2e, ".2f", "×")),
     ]
     return rows
 

@@ -1,12 +1,13 @@
 """The backward process's time: a batch of captured training samples into seconds.
 
-The backward (DESIGN, step 3) walks the layers top-down. For each layer it recomputes the layer's
-forward from the captured input (the same eager forward the host ran for these rows, LoRA
-included) and back-propagates through it: activation gradients through the frozen base weights
-and the LoRA gradients, ``backward_to_forward`` times the forward. That per-layer unit is also the
-grain at which it yields: it checks the grant at every layer boundary, so a prefill that takes the
-GPU waits at most one unit (plus the flag poll). Above the layers it runs the final norm and LM
-head forward and backward for the loss; after them, one AdamW step over the adapter.
+The backward (docs/architecture.md, "The backward process") walks the layers top-down. For each
+layer it recomputes the layer's forward from the captured input (the same eager forward the host
+ran for these rows, LoRA included) and back-propagates through it: activation gradients through the
+frozen base weights and the LoRA gradients, ``backward_to_forward`` times the forward. That
+per-layer unit is also the grain at which it yields: it checks the grant at every layer boundary,
+so a prefill that takes the GPU waits at most one unit (plus the flag poll). Above the layers it
+runs the final norm and LM head forward and backward for the loss; after them, one AdamW step over
+the adapter.
 """
 
 from __future__ import annotations

@@ -105,8 +105,8 @@ def graph_capture_size(num_decode: int, max_graph_batch: int) -> int | None:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """The trained adapter: rank and target projections (DESIGN: r16 on the attention
-    projections). ``targets`` name Llama's projections."""
+    """The trained adapter: rank and target projections (the paper's A100 experiment: r16 on
+    the attention projections). ``targets`` name Llama's projections."""
 
     rank: int = 16
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -151,8 +151,9 @@ class AdmissionScheduler:
 
     def yield_budget_s(self, view: SchedulingView) -> float:
         """Seconds the host could pause before running ``view.proposed`` and still meet every
-        request's SLO: Δ less the step's margin-inflated prediction. Only ``full`` mode spends
-        slack on training; ``temp`` trains in idle time alone."""
+        request's SLO: Δ (only ``tpot_slack_spend_fraction`` of the TPOT slack, as admission
+        counts it: :meth:`spendable_delta_s`) less the step's margin-inflated prediction. Only
+        ``full`` mode spends slack on training; ``temp`` trains in idle time alone."""
         if self.config.mode is not AdmissionMode.FULL or not self.model.is_calibrated:
             return 0.0
         if not view.proposed.has_inference:

@@ -1,7 +1,8 @@
 """``deltaserve bench`` end to end on the tiny model: the metric wiring, never speed.
 
-A few-second trace, three systems (the pilot, ``deltaserve`` and the ``greedy`` control), with
-a two-scale ``--slo-sweep`` (one extra replay: only ``deltaserve`` is SLO-aware here). What is
+A few-second trace, four systems (the pilot, ``deltaserve`` and the ``greedy`` controls), with
+a two-scale ``--slo-sweep`` (two extra replays: ``deltaserve`` and ``greedy``, whose yields are
+priced, are SLO-aware; ``greedy-fixed-yield`` runs once). What is
 checked is what a wrong wire would break: every field is there, the SLO is the stated multiple
 of the pilot's own p99s, the pilot's harvest is 0, a co-serving system committed fine-tuning
 tokens, the latency model's online and held-out errors were both scored, the sweep's figure
@@ -23,7 +24,7 @@ from tests.tiny import save_tiny
 
 SCALE = 1.5
 SWEEP = (1.5, 3.0)  # the main scale is one of the sweep's: its point must equal the main table
-SYSTEMS = ["inference-only", "deltaserve", "greedy"]
+SYSTEMS = ["inference-only", "deltaserve", "greedy", "greedy-fixed-yield"]
 WORDS = ("user assistant system the a of to and is in what add two numbers reverse word answer "
          "give sum list first last letter count how many . , ? : 0 1 2 3 4 5 6 7 8 9").split()
 
@@ -84,7 +85,7 @@ def test_every_system_is_scored_with_every_field(doc):
         assert s["completed_requests"] > 0 and 0 <= s["slo_attainment"] <= 1
     assert doc["slo_binding"]["verdict"] and "binds" in doc["slo_binding"]
     assert [(c["system"], c["baseline"]) for c in doc["comparisons"]] == [
-        ("greedy", "deltaserve")]
+        ("greedy", "deltaserve"), ("greedy-fixed-yield", "greedy")]
     assert doc["heldout_accuracy"]["system"] == "deltaserve"
 
 
@@ -149,14 +150,17 @@ def test_slo_sweep_runs_the_slo_aware_systems_per_scale(doc):
         assert list(p["systems"]) == SYSTEMS
         assert p["slo"]["ttft_ms"] == pytest.approx(p["scale"] * pilot["ttft_p99_ms"])
         assert p["slo"]["tpot_ms"] == pytest.approx(p["scale"] * pilot["tpot_p99_ms"])
-        # deltaserve prices Δ, so it ran again at each scale; the blind ones ran once
+        # deltaserve and greedy price Δ (admission, yields), so they ran again at each scale;
+        # the blind ones ran once
         assert p["systems"]["deltaserve"]["ran_at_scale"]
-        assert not p["systems"]["greedy"]["ran_at_scale"]
+        assert p["systems"]["greedy"]["ran_at_scale"]
+        assert not p["systems"]["greedy-fixed-yield"]["ran_at_scale"]
         assert not p["systems"]["inference-only"]["ran_at_scale"]
-    for name in ("greedy", "inference-only"):  # one run, scored against each SLO
+    once = ("greedy-fixed-yield", "inference-only")
+    for name in once:  # one run, scored against each SLO
         assert len({p["systems"][name]["ft_tokens_per_s"] for p in points}) == 1
     # a looser SLO can only let a run that ran once meet more of it
-    for name in ("greedy", "inference-only"):
+    for name in once:
         att = [p["systems"][name]["slo_attainment"] for p in points]
         assert att == sorted(att)
     (main_point,) = [p for p in points if p["scale"] == SCALE]

@@ -2,7 +2,9 @@
 
 import math
 
-from deltaserve.bench.greedy import GreedyScheduler
+import pytest
+
+from deltaserve.bench.greedy import GreedyFixedYieldScheduler, GreedyScheduler
 from deltaserve.core import (
     AdmissionConfig,
     AdmissionScheduler,
@@ -14,7 +16,7 @@ from deltaserve.core import (
     WaitingRequest,
 )
 from deltaserve.core.calibration import HostLimits
-from tests.core.test_admission import MODEL, SLO
+from tests.core.test_admission import MODEL, SLO, exact
 
 LENGTHS = (40, 10, 30, 10, 20, 50, 30)
 LIMITS = HostLimits(max_tokens_per_step=256, max_seqs_per_step=8, max_model_len=256,
@@ -63,14 +65,22 @@ def test_greedy_keeps_the_capacity_rules():
     assert list(plan.shape.ft_lens) == brute_force(45, 5)
 
 
-def test_greedy_lends_time_to_the_backward_blind_to_delta():
+def test_greedy_prices_its_yields_as_deltaserve_and_fixed_yield_does_not():
     def view(waited_s: float) -> SchedulingView:
         return SchedulingView(StepShape(num_decode=1, kv_tokens=10), now_s=waited_s,
                               oldest_decode_token_s=0.0)
 
     priced = make(AdmissionScheduler)
-    assert priced.yield_budget_s(view(0.0)) > 0
+    # TPOT 0.1 s less the decode step's exact cost (zero margin): the closed form
+    assert priced.yield_budget_s(view(0.0)) == pytest.approx(0.1 - exact(view(0.0).proposed))
     assert priced.yield_budget_s(view(10.0)) < 0  # past the TPOT objective: no slack
-    # unbounded whatever the slack (the co-server caps it at max_yield_s)
-    assert make(GreedyScheduler).yield_budget_s(view(0.0)) == math.inf
-    assert make(GreedyScheduler).yield_budget_s(view(10.0)) == math.inf
+    # greedy differs from deltaserve in admission only: its yields are priced the same
+    for waited_s in (0.0, 0.05, 10.0):
+        assert make(GreedyScheduler).yield_budget_s(view(waited_s)) == \
+            priced.yield_budget_s(view(waited_s))
+    # greedy-fixed-yield: unbounded whatever the slack (the co-server caps it at max_yield_s)
+    assert make(GreedyFixedYieldScheduler).yield_budget_s(view(0.0)) == math.inf
+    assert make(GreedyFixedYieldScheduler).yield_budget_s(view(10.0)) == math.inf
+    # and it admits as greedy does
+    plan = make(GreedyFixedYieldScheduler).plan(LATE)
+    assert list(plan.shape.ft_lens) == brute_force(256 - 102, 8 - 3)

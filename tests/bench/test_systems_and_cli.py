@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve.bench.config import BenchConfig
-from deltaserve.bench.greedy import GreedyScheduler
+from deltaserve.bench.greedy import GreedyFixedYieldScheduler, GreedyScheduler
 from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.bench.run import out_dir
 from deltaserve.bench.score import order
@@ -25,15 +25,18 @@ def test_parse_systems():
                                        "split-pool"]
     assert not specs[0].coserve and specs[1].mode is AdmissionMode.TEMP
     assert specs[2].scheduler_cls is LLMStationScheduler and specs[3].split_pool
-    assert len(parse_systems(",".join(SYSTEMS))) == len(SYSTEMS) == 9
+    assert len(parse_systems(",".join(SYSTEMS))) == len(SYSTEMS) == 10
     pilot, pipe = parse_systems("deltaserve-pipeline")  # the pilot runs whether listed or not
     assert pilot.name == "inference-only" and not pilot.coserve
     assert pipe.coserve and pipe.pipeline and pipe.mode is AdmissionMode.FULL
     _, lp = parse_systems("llmstation-pipeline")
     assert lp.pipeline and lp.scheduler_cls is LLMStationScheduler
     assert lp.pair == "deltaserve-pipeline" and pipe.pair == "llmstation-pipeline"
-    _, greedy = parse_systems("greedy")
-    assert greedy.coserve and greedy.scheduler_cls is GreedyScheduler and not greedy.slo_aware
+    _, greedy, fixed = parse_systems("greedy,greedy-fixed-yield")
+    # greedy prices its yields against the SLO: a sweep reruns it; its fixed-yield variant not
+    assert greedy.coserve and greedy.scheduler_cls is GreedyScheduler and greedy.slo_aware
+    assert fixed.scheduler_cls is GreedyFixedYieldScheduler and not fixed.slo_aware
+    assert (greedy.pair, fixed.pair) == ("deltaserve", "greedy")
     with pytest.raises(InputError):
         parse_systems("deltaserve,s-lora")
     with pytest.raises(InputError):
@@ -80,6 +83,12 @@ def test_cli_reports_bad_input_as_an_error(capsys):
     assert main(["bench", "--ttft-slo-ms", "-5"]) == 2
     assert "--ttft-slo-ms=-5.0" in capsys.readouterr().err  # the flag, as typed
     assert main(["bench", "--systems", "nope", "--out", "/tmp/deltaserve-cli-test"]) == 2
+
+
+def test_serve_rejects_a_tpot_slack_spend_fraction_outside_0_1(capsys):
+    assert main(["serve", "--admission-tpot-slack-spend-fraction", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--admission-tpot-slack-spend-fraction=0.0" in err and "(0, 1]" in err
 
 
 def test_bool_flags_follow_their_default():

@@ -46,6 +46,8 @@ MODEL = fit_from([(s, exact(s)) for s in SHAPES], LatencyModelConfig(margin_floo
 MODEL_ZETA = fit_from([(s, exact(s) + (5e-4 * (s.num_prefill_tokens + s.num_decode)
                                        if s.ft_lens else 0.0)) for s in SHAPES],
                       LatencyModelConfig(margin_floor=0.0))
+# the same exact fit, with a 25 % safety margin: admission must price every step inflated
+MODEL_MARGIN = fit_from([(s, exact(s)) for s in SHAPES], LatencyModelConfig(margin_floor=0.25))
 SLO = SLOConfig(ttft_s=0.5, tpot_s=0.1)
 LIMITS = HostLimits(max_tokens_per_step=2048, max_seqs_per_step=64, max_model_len=1024,
                     max_kv_tokens=100_000)
@@ -227,6 +229,45 @@ def test_config_validation():
     assert e.value.field == "mode"
     with pytest.raises(InputError):
         AdmissionConfig(max_ft_tokens_per_step=0)
+    for bad in (0.0, -0.5, 1.5, math.nan):
+        with pytest.raises(InputError) as e:
+            AdmissionConfig(tpot_slack_spend_fraction=bad)
+        assert e.value.field == "tpot_slack_spend_fraction"
+
+
+def test_margin_inflates_every_admitted_step():
+    # 25 % margin: the plan's step, inflated, stays within Δ; the exact (uninflated) cost of
+    # one more sample would still have fit, so a planner that dropped the margin admits more
+    sched, _, _ = make(lengths=(2,) * 40, model=MODEL_MARGIN)
+    v = view(StepShape(num_decode=4), oldest_decode_token_s=99.99)  # 0.09 s of TPOT slack
+    plan = sched.plan(v)
+    assert plan.samples and plan.skip is Skip.OVER_BUDGET
+    assert 1.25 * exact(plan.shape) <= 0.09 < 1.25 * exact(plan.shape.with_ft((2,)))
+    assert exact(plan.shape.with_ft((2,))) <= 0.09
+    assert plan.predicted_s == pytest.approx(1.25 * exact(plan.shape), rel=1e-6)
+
+
+@pytest.mark.parametrize("proposed", [StepShape((20,), num_decode=4), StepShape(num_decode=4)])
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.2])
+def test_tpot_slack_spend_fraction_bounds_the_step_in_closed_form(fraction, proposed):
+    # 4 decodes whose oldest token is 0.01 s old: 0.09 s of TPOT slack. With fraction f the
+    # step may cost the prediction of the step without training plus f of the slack beyond
+    # it, no more (a decode-only step is priced by its own equation without training)
+    lengths = (2,) * 60
+    sched, _, _ = make(lengths=lengths,
+                       config=AdmissionConfig(tpot_slack_spend_fraction=fraction))
+    v = view(proposed, oldest_decode_token_s=99.99)
+    base, slack = exact(proposed), 0.09
+    bound = base + fraction * (slack - base)
+    assert sched.yield_budget_s(v) == pytest.approx(fraction * (slack - base), rel=1e-6)
+    plan = sched.plan(v)
+    assert plan.samples and plan.skip is Skip.OVER_BUDGET
+    assert exact(plan.shape) <= bound + 1e-12 < exact(plan.shape.with_ft((2,)))
+    # TTFT slack is not scaled: a prefill step bound by TTFT admits as with fraction 1
+    waiting = (WaitingRequest(arrival_s=99.7),)
+    full = make(lengths=lengths)[0].plan(view(StepShape((100,)), waiting=waiting))
+    part = sched.plan(view(StepShape((100,)), waiting=waiting))
+    assert part.shape.ft_lens == full.shape.ft_lens
 
 
 def test_batch_room_lets_only_the_last_sample_overshoot():
@@ -267,7 +308,7 @@ def reference_greedy(sched, proposed, delta, batch_room):
        waited_s=st.floats(0.0, 0.45), capacity=st.integers(1, 2000),
        cap=st.integers(1, 3000), seqs=st.integers(1, 64),
        batch_room=st.one_of(st.none(), st.integers(1, 500)),
-       model=st.sampled_from([MODEL, MODEL_ZETA]))
+       model=st.sampled_from([MODEL, MODEL_ZETA, MODEL_MARGIN]))
 def test_plan_equals_per_sample_greedy(lengths, prefill, num_decode, waited_s, capacity, cap,
                                        seqs, batch_room, model):
     limits = HostLimits(max_tokens_per_step=2048, max_seqs_per_step=64 + seqs,

@@ -6,7 +6,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from deltaserve.model import AdapterWeights, CausalSegments, ForwardContext, LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
-from deltaserve.model.lora import DropoutSegment, LoRAGroup
+from deltaserve.model.lora import DropoutSegment, LoRAGroup, dropout_
 from deltaserve.model.peft_io import load_adapter, save_adapter
 from tests.tiny import hf_tiny_llama
 
@@ -96,6 +96,23 @@ def test_dropout_mask_replays_by_seed_and_differs_between_samples(base):
                                                   DropoutSegment(30, 30, 11)))
     c = forward(model, seqs, [swapped])
     torch.testing.assert_close(c[:30], a[30:])
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.6])
+def test_dropout_keeps_one_minus_p_and_preserves_the_mean(p):
+    # inverted dropout: each entry kept with probability 1-p and scaled by 1/(1-p), so a kept
+    # entry of ones reads 1/(1-p) and the mean stays 1. The kept share is Binomial(N, 1-p)/N,
+    # std sqrt(p(1-p)/N); the mean of the output has std sqrt(p/((1-p)N)) (each entry's
+    # variance is p/(1-p)). Fixed seeds: 5 std bounds, never flaky, far tighter than the
+    # 1-p bias a missing rescale would leave.
+    rows, cols = 400, 64
+    segs = (DropoutSegment(0, 150, seed=5), DropoutSegment(150, 250, seed=6))
+    y = dropout_(torch.ones(rows, cols, dtype=torch.float64), p, segs, layer=2, module="q_proj")
+    n = rows * cols
+    kept = y != 0
+    assert abs(kept.double().mean().item() - (1 - p)) <= 5 * (p * (1 - p) / n) ** 0.5
+    torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / (1 - p)))
+    assert abs(y.mean().item() - 1.0) <= 5 * (p / ((1 - p) * n)) ** 0.5
 
 
 def test_lora_config_validation():

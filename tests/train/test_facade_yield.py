@@ -178,3 +178,16 @@ def test_admission_after_a_yield_keeps_the_yields_reserve():
     run_step(co, 0.0, planned_at_s=0.03)  # the step the yield came before (woken early)
     run_step(co, 0.0)  # a step with no yield before it
     assert co.scheduler.reserves == [0.0] * 4 + [pytest.approx(0.010), 0.0]
+
+
+def test_the_step_after_a_yield_carries_it_and_the_next_does_not():
+    co = coserver(quantile=1.0)
+    for _ in range(4):
+        run_step(co, 0.0)
+    assert co.step_yield_s == 0.0
+    co.yield_to_backward(0.03, threading.Event())
+    co.yield_to_backward(0.02, threading.Event())  # two yields before one step: both count
+    run_step(co, 0.0, planned_at_s=0.05)
+    assert co.step_yield_s == pytest.approx(0.05)
+    run_step(co, 0.0)
+    assert co.step_yield_s == 0.0

@@ -1,16 +1,23 @@
-"""The ``greedy`` control: co-serving that admits up to the step limit, blind to Δ.
+"""The ``greedy`` controls: co-serving that admits up to the step limit, blind to Δ.
 
-It keeps every rule of Algorithm 1 that is about capacity (nothing while the backward runs
-unless pipelined, a full buffer, an empty pool, the host's per-step token and sequence limits,
-``max_ft_tokens_per_step``, the backward batch being filled) and drops the one about time: the
-latency model and the requests' slack play no part. On a host that lends the machine to the
-backward between steps (the ``exclusive`` grant), it time-slices blind to Δ too: while the
-backward has work, every step is preceded by the longest yield the co-server allows
-(``max_yield_s``, the cap DeltaServe's priced yields have), whatever the requests' slack. Nothing
-it does depends on the SLO, so one run of it can be scored against every SLO of a sweep.
+``greedy`` keeps every rule of Algorithm 1 that is about capacity (nothing while the backward
+runs unless pipelined, a full buffer, an empty pool, the host's per-step token and sequence
+limits, ``max_ft_tokens_per_step``, the backward batch being filled) and drops the one about
+time: the latency model and the requests' slack play no part in what it admits (nor the reserve
+a yield kept). Everything else is DeltaServe's, the yields to the backward included: on a host
+that lends the machine to the backward between steps (the ``exclusive`` grant), each yield is
+priced against the requests' slack less the measured reserve (:mod:`deltaserve.core.yield_reserve`)
+as ``deltaserve``'s are. So ``greedy`` / ``deltaserve`` differ in admission alone, and where
+``greedy`` misses the SLO, Δ-blind admission is what it costs.
 
-Its purpose is to prove an SLO binds: if ``greedy`` meets the SLO as well as ``deltaserve``,
-the SLO is too loose to tell a policy that prices its steps from one that does not.
+``greedy-fixed-yield`` (:class:`GreedyFixedYieldScheduler`) is ``greedy`` with its yields blind
+to Δ too: while the backward has work, every step is preceded by the longest yield the
+co-server allows (``max_yield_s``, the cap of the priced yields), whatever the requests' slack;
+paired with ``greedy``, it differs in the yields alone. Nothing it does depends on the SLO, so one
+run of it can be scored against every SLO of a sweep.
+
+Their purpose is to prove an SLO binds: if ``greedy`` meets the SLO as well as ``deltaserve``,
+the SLO is too loose to tell a policy that prices its admission from one that does not.
 """
 
 from __future__ import annotations
@@ -21,8 +28,7 @@ from deltaserve.core.admission import AdmissionPlan, AdmissionScheduler, Schedul
 
 
 class GreedyScheduler(AdmissionScheduler):
-    def yield_budget_s(self, view: SchedulingView) -> float:
-        return math.inf  # the co-server caps it at max_yield_s
+    """Admission blind to Δ; the yields priced as Algorithm 1's scheduler prices them."""
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
              batch_room_tokens: int | None = None, reserve_s: float = 0.0) -> AdmissionPlan:
@@ -48,3 +54,10 @@ class GreedyScheduler(AdmissionScheduler):
             return AdmissionPlan((), proposed, None, math.nan, stop)
         return self._admit(proposed, lens, None, self.model.predict(proposed.with_ft(
             tuple(lens))), stop)
+
+
+class GreedyFixedYieldScheduler(GreedyScheduler):
+    """:class:`GreedyScheduler` whose yields are blind to Δ too: the longest one allowed."""
+
+    def yield_budget_s(self, view: SchedulingView) -> float:
+        return math.inf  # the co-server caps it at max_yield_s

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from deltaserve.bench import metrics as M
 from deltaserve.bench.latency_holdout import ModeError
+from deltaserve.bench.miss_source import MissSources, miss_sources
 from deltaserve.bench.outcome import HardwareShare, SystemRun
 from deltaserve.bench.systems import PILOT, SystemSpec
 from deltaserve.core.slo import SLOConfig
@@ -20,6 +21,7 @@ COMPARISONS = (
     ("deltaserve-pipeline", "split-pool"),
     ("deltaserve-pipeline", "deltaserve"),
     ("greedy", "deltaserve"),
+    ("greedy-fixed-yield", "greedy"),
     ("deltaserve-temp", "deltaserve"),
     ("deltaserve-no-interrupt", "deltaserve"),
 )
@@ -59,7 +61,8 @@ def harvest_base(pilot: SystemRun, standalone_tokens_per_s: float) -> HarvestBas
 @dataclass(frozen=True)
 class SystemScore:
     """``padded_token_efficiency``: committed tokens ÷ tokens computed with padding (1 for
-    packed rows; None with no commit)."""
+    packed rows; None with no commit). ``misses``: where its missed requests' late tokens fell,
+    after a yield or not (None: the steps are not one host's timeline)."""
 
     name: str
     pair: str | None
@@ -69,6 +72,7 @@ class SystemScore:
     latency: tuple[ModeError, ...]
     share: HardwareShare
     padded_token_efficiency: float | None
+    misses: MissSources | None = None
 
     @property
     def meets(self) -> bool:
@@ -80,7 +84,8 @@ class SystemScore:
                    "harvest": self.harvest.as_json(),
                    "latency_model_by_mode": [e.as_json() for e in self.latency],
                    "hardware_share": asdict(self.share),
-                   "padded_token_efficiency": self.padded_token_efficiency})
+                   "padded_token_efficiency": self.padded_token_efficiency,
+                   "misses": self.misses.as_json() if self.misses else None})
 
 
 def pooled_online_mape(errors: tuple[ModeError, ...]) -> float | None:
@@ -99,8 +104,9 @@ def score_run(run: SystemRun, slo: SLOConfig, base: HarvestBase) -> SystemScore:
     account = M.harvest(tokens, base.idle, base.tokens_per_core_s, run.share.reserved, r.wall_s)
     metrics = M.compute(r.records, slo, r.wall_s, tokens, sum(c.num_samples for c in commits),
                         pooled_online_mape(run.latency), account.ratio)
+    misses = miss_sources(r.records, r.steps, slo, [not M.meets_slo(x, slo) for x in r.records])
     return SystemScore(run.spec.name, run.spec.pair, run.slo_scale, metrics, account,
-                       run.latency, run.share, tokens / padded if padded else None)
+                       run.latency, run.share, tokens / padded if padded else None, misses)
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,15 @@ class Binding:
 
 
 def binding(scores: Mapping[str, SystemScore]) -> Binding:
+    """Whether the SLO binds, and where each system that missed it missed: after a yield to the
+    backward or not (admission, or inference alone)."""
+    b = _binds(scores)
+    where = [f"{n} {s.misses.describe()}" for n, s in scores.items()
+             if s.misses is not None and s.misses.missed]
+    return Binding(b.binds, f"{b.verdict}; misses: {'; '.join(where)}" if where else b.verdict)
+
+
+def _binds(scores: Mapping[str, SystemScore]) -> Binding:
     def pct(name: str) -> str:
         return f"{name} {scores[name].metrics.slo_attainment:.1%}"
 

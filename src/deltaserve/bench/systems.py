@@ -3,16 +3,18 @@
 Each system but the pilot is reported beside its *pair*, the system that differs from it in one
 thing only, so a ratio of the two measures that thing: ``deltaserve`` / ``llmstation``
 (admission, neither overlapping forward and backward), ``deltaserve-pipeline`` /
-``llmstation-pipeline`` (admission, both overlapping), ``greedy`` / ``deltaserve`` (pricing
-steps against Δ or not), ``split-pool`` / ``deltaserve`` (co-serving or a static split),
-``deltaserve-temp`` and ``deltaserve-no-interrupt`` / ``deltaserve`` (the ablations).
+``llmstation-pipeline`` (admission, both overlapping), ``greedy`` / ``deltaserve`` (admission
+priced against Δ or blind to it; both price their yields to the backward the same way),
+``greedy-fixed-yield`` / ``greedy`` (yields priced against Δ or a fixed ``max_yield_s`` before
+every step; both admit blind to Δ), ``split-pool`` / ``deltaserve`` (co-serving or a static
+split), ``deltaserve-temp`` and ``deltaserve-no-interrupt`` / ``deltaserve`` (the ablations).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaserve.bench.greedy import GreedyScheduler
+from deltaserve.bench.greedy import GreedyFixedYieldScheduler, GreedyScheduler
 from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.core.admission import AdmissionMode, AdmissionScheduler
 from deltaserve.core.errors import InputError
@@ -49,7 +51,11 @@ _SPECS = {s.name: s for s in (
                slo_aware=True),
     SystemSpec("llmstation-pipeline", coserve=True, scheduler_cls=LLMStationScheduler,
                pipeline=True, pair="deltaserve-pipeline", slo_aware=True),
-    SystemSpec("greedy", coserve=True, scheduler_cls=GreedyScheduler, pair="deltaserve"),
+    # greedy's yields are priced against the SLO (on a host that yields), so it reruns per SLO
+    SystemSpec("greedy", coserve=True, scheduler_cls=GreedyScheduler, pair="deltaserve",
+               slo_aware=True),
+    SystemSpec("greedy-fixed-yield", coserve=True, scheduler_cls=GreedyFixedYieldScheduler,
+               pair="greedy"),
     SystemSpec("split-pool", split_pool=True, pair="deltaserve"),
     # temp trains only in steps with no inference work: no slack is priced
     SystemSpec("deltaserve-temp", coserve=True, mode=AdmissionMode.TEMP, pair="deltaserve"),

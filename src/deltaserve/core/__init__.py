@@ -37,7 +37,7 @@ from deltaserve.core.slo import SLOConfig, StepBudget, WaitingRequest
 __all__ = [
     "AdmissionConfig", "AdmissionMode", "AdmissionPlan", "AdmissionScheduler", "AdmittedSample",
     "Batching", "BufferLedger", "CalibrationConfig", "CalibrationProbe", "CoServingHooks",
-    "DataConfig", "DatasetReport", "Equation", "ExecMode", "Host", "HostLimits", "InputError",
+    "DataConfig", "DatasetReport", "Equation", "ExecMode", "HostLimits", "InputError",
     "LatencyModel", "LatencyModelConfig", "PoolProgress", "PoolStateError", "ProbeKind", "RowSpan",
     "SLOConfig", "SamplePool", "SchedulingView", "Skip", "StepBudget", "StepReport", "StepShape",
     "TrainingHost", "TrainingRows", "TrainingSample", "TrainingStep", "WaitingRequest",

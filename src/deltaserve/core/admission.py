@@ -3,10 +3,11 @@
 No admission while the backward runs, the buffer is full or the pool is empty; on a
 phase-separated host, none on a decode-only step; in ``temp`` mode, none beside inference work.
 Δ is the tightest SLO slack (see :mod:`deltaserve.core.slo`). If the inference-only batch already
-costs more than Δ, nothing is admitted. Otherwise samples are added in increasing length while
-buffer rows remain and the margin-inflated prediction of the mixed step stays ≤ Δ; the first
-sample that does not fit ends the step's admission. Admitted samples are claimed from the pool
-and hold buffer rows, so nothing is picked twice.
+costs more than Δ, nothing is admitted (with ``tpot_slack_spend_fraction`` below 1, Δ counts
+only that share of the TPOT slack beyond the inference-only step). Otherwise samples are added in
+increasing length while buffer rows remain and the margin-inflated prediction of the mixed step
+stays ≤ Δ; the first sample that does not fit ends the step's admission. Admitted samples are
+claimed from the pool and hold buffer rows, so nothing is picked twice.
 """
 
 from __future__ import annotations
@@ -53,16 +54,24 @@ class AdmissionConfig:
     """``max_ft_tokens_per_step`` caps the samples of one step; it bounds a training-only step,
     where no request constrains Δ. ``admit_during_backward`` lifts Algorithm 1's first rule (an
     ablation: the buffer then needs room for the next batch while the backward reads this one).
+    ``tpot_slack_spend_fraction``: the share of a step's TPOT slack (what the decodes' TPOT
+    objective leaves after the step's inference-only prediction) that training may spend, by
+    admission or by a yield to the backward; the operator's knob between fine-tuning throughput
+    and the requests' end-to-end latency (1: all of it, Algorithm 1; smaller: decodes run that
+    much ahead of their objective). TTFT slack is unaffected.
     """
 
     mode: AdmissionMode = AdmissionMode.FULL
     max_ft_tokens_per_step: int = 1024
     admit_during_backward: bool = False
+    tpot_slack_spend_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         coerce_enum(self, "mode", AdmissionMode)
         require(self.max_ft_tokens_per_step > 0, "max_ft_tokens_per_step",
                 self.max_ft_tokens_per_step, "must be > 0")
+        require(0.0 < self.tpot_slack_spend_fraction <= 1.0, "tpot_slack_spend_fraction",
+                self.tpot_slack_spend_fraction, "must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -142,13 +151,26 @@ class AdmissionScheduler:
 
     def yield_budget_s(self, view: SchedulingView) -> float:
         """Seconds the host could pause before running ``view.proposed`` and still meet every
-        request's SLO: Δ less the step's margin-inflated prediction. Only ``full`` mode spends
-        slack on training; ``temp`` trains in idle time alone."""
+        request's SLO: Δ (only ``tpot_slack_spend_fraction`` of the TPOT slack, as admission
+        counts it: :meth:`spendable_delta_s`) less the step's margin-inflated prediction. Only
+        ``full`` mode spends slack on training; ``temp`` trains in idle time alone."""
         if self.config.mode is not AdmissionMode.FULL or not self.model.is_calibrated:
             return 0.0
         if not view.proposed.has_inference:
             return 0.0
-        return self.budget(view).delta_s - self.model.predict_upper(view.proposed)
+        return (self.spendable_delta_s(self.budget(view), view.proposed)
+                - self.model.predict_upper(view.proposed))
+
+    def spendable_delta_s(self, budget: StepBudget, proposed: StepShape) -> float:
+        """What the step may cost with training in it: Δ, except that only
+        ``tpot_slack_spend_fraction`` of the TPOT slack beyond the margin-inflated prediction
+        of ``proposed`` alone (the step without training) may be spent; none of a slack the
+        step alone already overruns."""
+        f = self.config.tpot_slack_spend_fraction
+        tpot_s = budget.tpot_slack_s
+        if f < 1.0 and math.isfinite(tpot_s) and proposed.has_inference:
+            tpot_s -= (1.0 - f) * max(0.0, tpot_s - self.model.predict_upper(proposed))
+        return min(budget.ttft_slack_s, tpot_s)
 
     def queue_s_per_token(self, proposed: StepShape) -> float:
         """Predicted seconds per queued prompt token: a full step's margin-inflated prediction
@@ -212,10 +234,10 @@ class AdmissionScheduler:
         if skip is not None:
             return AdmissionPlan((), proposed, None, math.nan, skip)
         budget = self.budget(view)
-        delta = budget.delta_s - reserve_s
         pricer = self.model.ft_pricer(proposed)
         assert pricer is not None  # _precheck: calibrated
         base_s = pricer.upper_s(0, 0) if proposed.has_inference else 0.0
+        delta = self.spendable_delta_s(budget, proposed) - reserve_s
         if base_s > delta:
             return AdmissionPlan((), proposed, budget, base_s, Skip.BUDGET_EXHAUSTED)
 

@@ -140,13 +140,16 @@ class StepReport:
 @dataclass(frozen=True)
 class StepRecord:
     """One executed step as a host logs it for timelines (``t_s``: its end, on
-    ``time.monotonic()``; ``ft_tokens``: fine-tuning tokens it carried)."""
+    ``time.monotonic()``; ``ft_tokens``: fine-tuning tokens it carried; ``yielded_s``: seconds
+    the host lent the backward just before it, 0 where it did not yield; on a simulated host the
+    time promised, which an arrival may cut short)."""
 
     t_s: float
     shape: StepShape
     seconds: float
     ft_tokens: int
     aborted: bool
+    yielded_s: float = 0.0
 
 
 @runtime_checkable

@@ -282,7 +282,11 @@ class BaseHost(ABC):
         if self.coserver is None and self.latency_model is not None and not shape.is_empty:
             self.latency_model.observe(shape, seconds)
         if self._step_listeners:
-            rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted)
+            # every host plans, runs, observes, then records a step: the co-server's yield
+            # before the step it last planned is this step's
+            co = self.coserver
+            yielded_s = co.step_yield_s if isinstance(co, BaseCoServer) else 0.0
+            rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted, yielded_s)
             for listener in self._step_listeners:
                 listener(rec)
 

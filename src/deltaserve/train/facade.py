@@ -59,6 +59,8 @@ class BaseCoServer:
         self._planned_at_s = 0.0  # when the step in flight started: planned, or due after a yield
         self._due_s = math.inf  # when the yield before the next step was due to end
         self._lent_reserve_s = 0.0  # the reserve the yield before the next step kept
+        self._lent_s = 0.0  # seconds lent to the backward since the last planned step
+        self.step_yield_s = 0.0  # seconds lent just before the step last planned (its record)
         # production counters (the service's /metrics reads them through stats())
         self._skips: Counter[str] = Counter()
         self._timing: Counter[str] = Counter()
@@ -77,6 +79,7 @@ class BaseCoServer:
         room = self.config.backward.batch_tokens - self.book.ready_tokens
         # after a yield, admission (when it may run beside the backward) keeps its reserve too
         reserve_s, self._lent_reserve_s = self._lent_reserve_s, 0.0
+        self.step_yield_s, self._lent_s = self._lent_s, 0.0
         plan = self.scheduler.plan(view, backward_running=t.backward.busy,
                                    batch_room_tokens=room, reserve_s=reserve_s)
         if plan.skip is not None:
@@ -151,6 +154,7 @@ class BaseCoServer:
     def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
         self._due_s = self._clock() + seconds
         given = self.trainer.backward.lend(seconds, wake)
+        self._lent_s += given
         self._lent_reserve_s = self._reserve.reserve_s(2 * self.trainer.backward.layer_s)
         self.trainer.counts["yields"] += 1
         self.trainer.poll()

@@ -1,0 +1,91 @@
+"""Where a system's SLO misses come from: the yields to the backward, or the steps themselves.
+
+A request misses when its first token comes late (TTFT) or its longest gap between two tokens
+is too long (TPOT). Each late event ends with the step that emitted the token: the last step
+that ended at or before the token's time (a host emits a step's tokens after it ends). A missed
+request counts as *after a yield* when a step that ended one of its late events was preceded by
+a yield to the backward (:attr:`~deltaserve.core.contract.StepRecord.yielded_s`), and as *no
+yield* otherwise: then the step's own cost (what admission put in it, or inference alone, and
+the queue before it) made it late.
+
+This is an attribution by the last step, not a proof of cause: a TTFT miss also waits through
+the steps queued before its own, and a yield there counts only if it preceded the step that
+emitted the token. It needs one host's timeline: where steps overlap in time (a fleet of
+replicas), a token cannot be tied to a step, and nothing is attributed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from deltaserve.bench.replay import RequestRecord
+from deltaserve.core.contract import StepRecord
+from deltaserve.core.slo import SLOConfig
+
+# steps of one host never overlap; this absorbs the rounding of a step's end less its seconds
+_OVERLAP_TOLERANCE_S = 1e-6
+
+
+@dataclass(frozen=True)
+class MissSources:
+    """``missed`` requests: ``after_yield`` with a late event ended by a step a yield preceded,
+    ``no_yield`` with none, ``unattributed`` with no step at or before the late token (or no
+    token at all: a request that never started or never finished in time)."""
+
+    missed: int
+    after_yield: int
+    no_yield: int
+    unattributed: int
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        parts = [f"{self.after_yield} on a step after a yield", f"{self.no_yield} not"]
+        if self.unattributed:
+            parts.append(f"{self.unattributed} unattributed")
+        return f"{self.missed} missed ({', '.join(parts)})"
+
+
+def _late_token_times(rec: RequestRecord, slo: SLOConfig) -> list[float]:
+    """The times of the tokens that ended ``rec``'s late events (its first token when TTFT is
+    late, the end of its longest gap when TPOT is)."""
+    times = rec.token_times_s
+    out = []
+    if rec.ttft_s is not None and rec.ttft_s > slo.ttft_s:
+        out.append(times[0])
+    if rec.max_tpot_s > slo.tpot_s:
+        _, end = max(itertools.pairwise(times), key=lambda gap: gap[1] - gap[0])
+        out.append(end)
+    return out
+
+
+def _one_timeline(steps: Sequence[StepRecord]) -> bool:
+    return all(b.t_s - b.seconds >= a.t_s - _OVERLAP_TOLERANCE_S
+               for a, b in itertools.pairwise(steps))
+
+
+def miss_sources(records: Sequence[RequestRecord], steps: Sequence[StepRecord],
+                 slo: SLOConfig, missed: Sequence[bool]) -> MissSources | None:
+    """The missed requests (``missed[i]`` for ``records[i]``, as the metrics judge them) by
+    where their late events fell; None where the steps are not one host's timeline."""
+    ordered = sorted(steps, key=lambda s: s.t_s)
+    if not _one_timeline(ordered):
+        return None
+    ends = [s.t_s for s in ordered]
+    after = none = unattributed = 0
+    for rec, miss in zip(records, missed, strict=True):
+        if not miss:
+            continue
+        found = [ordered[i - 1] for t in _late_token_times(rec, slo)
+                 if (i := bisect.bisect_right(ends, t)) > 0]
+        if not found:
+            unattributed += 1
+        elif any(s.yielded_s > 0 for s in found):
+            after += 1
+        else:
+            none += 1
+    return MissSources(after + none + unattributed, after, none, unattributed)

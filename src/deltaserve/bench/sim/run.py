@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.bench.outcome import Commit
 from deltaserve.bench.score import HarvestBase
 from deltaserve.bench.sim.config import SimBenchConfig
@@ -84,18 +83,17 @@ def prepare(cfg: SimBenchConfig, params: ModelledParams | None = None,
 
 
 def grant_policy(setup: SimSetup, spec: SystemSpec) -> GrantPolicy:
-    """How a system's backward shares the simulated GPU. DeltaServe and the controls: its design,
-    a separate backward process that overlaps decode steps and parks at a layer boundary for
-    prefills (``prefill``). LLMStation: its own design, backward tasklets time-sliced into
-    inference iterations where its latency lookup says the decode objective allows
-    (``exclusive``: the host lends the device before a step for what
-    ``LLMStationScheduler.yield_budget_s`` prices, and in idle time)."""
+    """How a system's backward shares the simulated GPU: the bench's ``--backward-grant-policy``
+    where given, else the system's own (``llmstation-exclusive``: LLMStation's time-sliced
+    tasklets, ``exclusive``: the host lends the device before a step for what
+    ``LLMStationScheduler.yield_budget_s`` prices, and in idle time), else the host's
+    (``prefill``: DeltaServe's separate backward process that overlaps decode steps and parks
+    at a layer boundary for prefills). Every system but ``llmstation-exclusive`` runs under the
+    same grant, so each reported pair differs in one thing."""
     b = setup.cfg.backward.grant_policy
     if b is not GrantPolicy.AUTO:
         return b
-    if issubclass(spec.scheduler_cls, LLMStationScheduler):
-        return GrantPolicy.EXCLUSIVE
-    return setup.hw.policy
+    return setup.hw.policy if spec.grant is GrantPolicy.AUTO else spec.grant
 
 
 def coserve_config(setup: SimSetup, spec: SystemSpec) -> CoServeConfig:

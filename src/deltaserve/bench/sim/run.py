@@ -23,12 +23,13 @@ from deltaserve.bench.sim.systems import sim_systems
 from deltaserve.bench.systems import PILOT, SystemSpec
 from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.calibration import CalibrationConfig, HostLimits
+from deltaserve.core.errors import require
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.sim import standalone
 from deltaserve.hosts.sim.backward import BackwardModel
 from deltaserve.hosts.sim.calibrate import calibrate
-from deltaserve.hosts.sim.catalogue import lookup_profile
+from deltaserve.hosts.sim.catalogue import VIDUR_SOURCE, lookup_profile
 from deltaserve.hosts.sim.dp import allreduce_seconds
 from deltaserve.hosts.sim.engine import SimEngine
 from deltaserve.hosts.sim.fleet import CoServing, Fleet
@@ -73,8 +74,13 @@ def prepare(cfg: SimBenchConfig, params: ModelledParams | None = None,
             profiles: GpuProfiles | None = None, data: SimData | None = None) -> SimSetup:
     """Profiles, oracle, data and the calibrated latency model (reused when given)."""
     e = cfg.engine
-    if profiles is None:
-        profiles = load_profiles(lookup_profile(e.gpu, e.model), e.vidur_dir, e.network)
+    entry = lookup_profile(e.gpu, e.model)
+    if entry.source != VIDUR_SOURCE:  # measured whole steps: one GPU, no network profile
+        require(cfg.replicas == 1, "replicas", cfg.replicas,
+                f"{e.gpu}/{e.model} has no network profile for a data-parallel all-reduce: "
+                "simulate one replica")
+    elif profiles is None:
+        profiles = load_profiles(entry, e.vidur_dir, e.network)
     hw = gpu_hardware(replace(e, seed=cfg.seed), cfg.lora, params, profiles)
     limits = SimEngine(e, hardware=hw).limits
     latency = calibrate(hw, limits, GPU_CALIBRATION, seed=cfg.seed)

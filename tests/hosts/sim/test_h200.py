@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from deltaserve.bench.sim.config import SimBenchConfig
+from deltaserve.bench.sim.plan import PlanConfig, plan
 from deltaserve.bench.sim.run import prepare
 from deltaserve.core.errors import InputError
 from deltaserve.core.shape import ExecMode
@@ -20,6 +21,7 @@ from deltaserve.hosts.sim.h200 import H200Oracle, load_probe
 from deltaserve.hosts.sim.hardware import gpu_hardware
 from deltaserve.hosts.sim.oracle import PrefillChunk, SimBatch
 from deltaserve.model.lora import LoRAConfig
+from tests.hosts.sim.test_end_to_end import data
 
 # probe.md §1: (B, L) -> (eager, graph) medians
 DECODE = {(1, 512): (15.299, 5.590), (8, 512): (16.908, 5.957), (32, 512): (16.042, 6.723),
@@ -104,3 +106,9 @@ def test_h200_refuses_what_was_not_measured(probe_path):
     cfg = SimBenchConfig(replicas=2, engine=replace(SimHostConfig(), gpu="h200"))
     with pytest.raises(InputError, match="replicas"):
         prepare(cfg)
+
+
+def test_plan_refuses_a_second_h200_rather_than_a_free_all_reduce(probe_path):
+    with pytest.raises(InputError, match="network profile"):
+        plan(PlanConfig(gpu="h200", trace="burst-light", duration_s=5, replicas=(2,),
+                        rate_scale=0.05), lambda _: None, data())

@@ -67,6 +67,9 @@ class SimSetup:
         model = self.hw.backward
         if replicas <= 1 or not isinstance(model, BackwardModel):
             return 0.0
+        # a GPU priced by measured whole steps (the H200) has no network profile to price it
+        require(self.profiles is not None, "replicas", replicas,
+                f"{self.hw.name} has no network profile for a data-parallel all-reduce")
         return allreduce_seconds(self.profiles, replicas, self.hw.tp, self.hw.shape, model.lora)
 
 

@@ -18,6 +18,7 @@ from deltaserve.bench.greedy import GreedyFixedYieldScheduler, GreedyScheduler
 from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.core.admission import AdmissionMode, AdmissionScheduler
 from deltaserve.core.errors import InputError
+from deltaserve.train.config import GrantPolicy
 
 PILOT = "inference-only"
 
@@ -29,7 +30,9 @@ class SystemSpec:
     backward batch while the backward runs (Algorithm 1 waits for it), at one optimizer step of
     staleness in the captured activations. ``pair``: the system it is reported beside.
     ``slo_aware``: its behaviour depends on the SLO (an SLO sweep reruns it per SLO; the others
-    run once and are scored against each)."""
+    run once and are scored against each). ``grant``: how its backward shares the device where
+    the host models more than one way (the simulated GPU); ``auto``: the host's own (the bench's
+    ``--backward-grant-policy``, else the host's default), the same for every system."""
 
     name: str
     coserve: bool = False
@@ -40,6 +43,7 @@ class SystemSpec:
     pipeline: bool = False
     pair: str | None = None
     slo_aware: bool = False
+    grant: GrantPolicy = GrantPolicy.AUTO
 
 
 _SPECS = {s.name: s for s in (

@@ -22,7 +22,8 @@ from deltaserve.train.config import BackwardConfig
 from deltaserve.train.optim import OptimizerConfig
 
 SIM_SYSTEMS = ("inference-only,deltaserve,deltaserve-pipeline,deltaserve-temp,"
-               "deltaserve-no-interrupt,llmstation,llmstation-pipeline,split-pool,greedy")
+               "deltaserve-no-interrupt,llmstation,llmstation-exclusive,llmstation-pipeline,split-pool,"
+               "greedy")
 PRODUCTION_TRACE = "traces/azure_llm_code_2023.csv"  # under the shared data
 PRODUCTION_WINDOW_S = 1200.0
 

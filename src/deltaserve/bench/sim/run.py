@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from deltaserve.bench.llmstation import LLMStationScheduler
 from deltaserve.bench.outcome import Commit
 from deltaserve.bench.score import HarvestBase
 from deltaserve.bench.sim.config import SimBenchConfig
@@ -24,12 +23,13 @@ from deltaserve.bench.sim.systems import sim_systems
 from deltaserve.bench.systems import PILOT, SystemSpec
 from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.calibration import CalibrationConfig, HostLimits
+from deltaserve.core.errors import require
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.sim import standalone
 from deltaserve.hosts.sim.backward import BackwardModel
 from deltaserve.hosts.sim.calibrate import calibrate
-from deltaserve.hosts.sim.catalogue import lookup_profile
+from deltaserve.hosts.sim.catalogue import VIDUR_SOURCE, lookup_profile
 from deltaserve.hosts.sim.dp import allreduce_seconds
 from deltaserve.hosts.sim.engine import SimEngine
 from deltaserve.hosts.sim.fleet import CoServing, Fleet
@@ -67,6 +67,9 @@ class SimSetup:
         model = self.hw.backward
         if replicas <= 1 or not isinstance(model, BackwardModel):
             return 0.0
+        # a GPU priced by measured whole steps (the H200) has no network profile to price it
+        require(self.profiles is not None, "replicas", replicas,
+                f"{self.hw.name} has no network profile for a data-parallel all-reduce")
         return allreduce_seconds(self.profiles, replicas, self.hw.tp, self.hw.shape, model.lora)
 
 
@@ -74,8 +77,13 @@ def prepare(cfg: SimBenchConfig, params: ModelledParams | None = None,
             profiles: GpuProfiles | None = None, data: SimData | None = None) -> SimSetup:
     """Profiles, oracle, data and the calibrated latency model (reused when given)."""
     e = cfg.engine
-    if profiles is None:
-        profiles = load_profiles(lookup_profile(e.gpu, e.model), e.vidur_dir, e.network)
+    entry = lookup_profile(e.gpu, e.model)
+    if entry.source != VIDUR_SOURCE:  # measured whole steps: one GPU, no network profile
+        require(cfg.replicas == 1, "replicas", cfg.replicas,
+                f"{e.gpu}/{e.model} has no network profile for a data-parallel all-reduce: "
+                "simulate one replica")
+    elif profiles is None:
+        profiles = load_profiles(entry, e.vidur_dir, e.network)
     hw = gpu_hardware(replace(e, seed=cfg.seed), cfg.lora, params, profiles)
     limits = SimEngine(e, hardware=hw).limits
     latency = calibrate(hw, limits, GPU_CALIBRATION, seed=cfg.seed)
@@ -84,18 +92,17 @@ def prepare(cfg: SimBenchConfig, params: ModelledParams | None = None,
 
 
 def grant_policy(setup: SimSetup, spec: SystemSpec) -> GrantPolicy:
-    """How a system's backward shares the simulated GPU. DeltaServe and the controls: its design,
-    a separate backward process that overlaps decode steps and parks at a layer boundary for
-    prefills (``prefill``). LLMStation: its own design, backward tasklets time-sliced into
-    inference iterations where its latency lookup says the decode objective allows
-    (``exclusive``: the host lends the device before a step for what
-    ``LLMStationScheduler.yield_budget_s`` prices, and in idle time)."""
+    """How a system's backward shares the simulated GPU: the bench's ``--backward-grant-policy``
+    where given, else the system's own (``llmstation-exclusive``: LLMStation's time-sliced
+    tasklets, ``exclusive``: the host lends the device before a step for what
+    ``LLMStationScheduler.yield_budget_s`` prices, and in idle time), else the host's
+    (``prefill``: DeltaServe's separate backward process that overlaps decode steps and parks
+    at a layer boundary for prefills). Every system but ``llmstation-exclusive`` runs under the
+    same grant, so each reported pair differs in one thing."""
     b = setup.cfg.backward.grant_policy
     if b is not GrantPolicy.AUTO:
         return b
-    if issubclass(spec.scheduler_cls, LLMStationScheduler):
-        return GrantPolicy.EXCLUSIVE
-    return setup.hw.policy
+    return setup.hw.policy if spec.grant is GrantPolicy.AUTO else spec.grant
 
 
 def coserve_config(setup: SimSetup, spec: SystemSpec) -> CoServeConfig:

@@ -1,15 +1,26 @@
 """The systems the simulated bench compares: the CPU bench's own specs
 (:mod:`deltaserve.bench.systems`), so both run the same policies (``greedy`` and
-``llmstation-pipeline`` included). The issue's spelling ``deltaserve-nointerrupt`` is accepted
-for ``deltaserve-no-interrupt``.
+``llmstation-pipeline`` included), every one under the host's grant (``prefill`` on a GPU), so
+each pair differs in one thing. One system exists only here, where the host models more than one
+grant: ``llmstation-exclusive``, LLMStation's own design (backward tasklets time-sliced into
+inference iterations: the ``exclusive`` grant), reported beside ``llmstation``, from which it
+differs in the grant alone. The issue's spelling ``deltaserve-nointerrupt`` is accepted for
+``deltaserve-no-interrupt``.
 """
 
 from __future__ import annotations
 
-from deltaserve.bench.systems import SystemSpec, parse_systems
+from dataclasses import replace
+
+from deltaserve.bench.systems import SYSTEMS, SystemSpec, parse_systems
 from deltaserve.core.errors import InputError
+from deltaserve.train.config import GrantPolicy
 
 ALIASES = {"deltaserve-nointerrupt": "deltaserve-no-interrupt"}
+LLMSTATION_OWN = "llmstation-exclusive"
+SIM_ONLY = {LLMSTATION_OWN: replace(parse_systems("llmstation")[-1], name=LLMSTATION_OWN,
+                                    grant=GrantPolicy.EXCLUSIVE, pair="llmstation")}
+SIM_SYSTEM_NAMES = (*SYSTEMS, *SIM_ONLY)
 
 
 def sim_systems(text: str) -> tuple[SystemSpec, ...]:
@@ -18,4 +29,7 @@ def sim_systems(text: str) -> tuple[SystemSpec, ...]:
     names = [ALIASES.get(n.strip(), n.strip()) for n in text.split(",") if n.strip()]
     if not names or len(set(names)) != len(names):
         raise InputError("systems", text, "list each system once")
-    return tuple(parse_systems(name)[-1] for name in names)
+    unknown = [n for n in names if n not in SIM_SYSTEM_NAMES]
+    if unknown:
+        raise InputError("systems", text, f"choose from {', '.join(SIM_SYSTEM_NAMES)}")
+    return tuple(SIM_ONLY[n] if n in SIM_ONLY else parse_systems(n)[-1] for n in names)

@@ -14,6 +14,8 @@ from pathlib import Path
 from deltaserve.core.errors import InputError
 
 DATA_DIR_ENV = "DELTASERVE_SHARED_DATA"
+VIDUR_SOURCE = "vidur"
+PROBE_SOURCE = "h200-probe"
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,9 @@ class ProfileEntry:
     ``tp_degrees``: tensor-parallel degrees the oracle serves. ``attention_tp_measured``: those
     with measured attention rows; every other degree's attention is derived from TP1 by splitting
     the KV heads (see ``attention.py``). ``networks``: collective profiles that pair with this GPU,
-    the first being the default.
+    the first being the default. ``source``: ``vidur`` (per-operator profiles under the Vidur
+    data) or ``h200-probe`` (whole steps measured on the GPU, ``compute_subdir`` a file under the
+    shared data; see ``h200.py``).
     """
 
     gpu: str
@@ -64,10 +68,11 @@ class ProfileEntry:
     attention_tp_measured: tuple[int, ...]
     networks: tuple[str, ...]
     gpu_memory_bytes: int
+    source: str = VIDUR_SOURCE
 
     @property
-    def default_network(self) -> str:
-        return self.networks[0]
+    def default_network(self) -> str | None:
+        return self.networks[0] if self.networks else None
 
 
 # Meta-Llama-3-8B's config.json: 32 layers, hidden 4096, intermediate 14336, vocab 128256,
@@ -88,6 +93,12 @@ CATALOGUE: dict[tuple[str, str], ProfileEntry] = {
         networks=("a100_pairwise_nvlink", "a100_dgx"),
         # Vidur's A100 SKU is the 80 GB part (the profiles' HBM bandwidth agrees: docs/sim.md)
         gpu_memory_bytes=80 * 2**30),
+    # one H200 measured whole-step (shared/data/h200/README.md): TP1 only, no network profile
+    ("h200", "llama-3-8b"): ProfileEntry(
+        gpu="h200", model="llama-3-8b", compute_subdir="h200/probe.json", shape=LLAMA_3_8B,
+        tp_degrees=(1,), attention_tp_measured=(1,), networks=(),
+        # probe.json s0_env: 139.8 GiB total as torch reports it
+        gpu_memory_bytes=int(139.8 * 2**30), source=PROBE_SOURCE),
 }
 
 

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.core.errors import require
 from deltaserve.hosts.sim.backward import BackwardCost, BackwardModel
-from deltaserve.hosts.sim.catalogue import ModelShape, ProfileEntry, lookup_profile
+from deltaserve.hosts.sim.catalogue import (
+    PROBE_SOURCE,
+    ModelShape,
+    ProfileEntry,
+    lookup_profile,
+    resolve_shared,
+)
 from deltaserve.hosts.sim.config import MemoryBudget, SimHostConfig, memory_budget
+from deltaserve.hosts.sim.h200 import H200Oracle, load_probe
 from deltaserve.hosts.sim.modelled import LoraConfig, ModelledParams
 from deltaserve.hosts.sim.oracle import ProfileOracle, StepTimeOracle
 from deltaserve.hosts.sim.profiles import GpuProfiles, load_profiles
@@ -48,9 +56,12 @@ def sim_lora(lora: LoRAConfig) -> LoraConfig:
 
 def gpu_hardware(config: SimHostConfig, lora: LoRAConfig, params: ModelledParams | None = None,
                  profiles: GpuProfiles | None = None) -> SimHardware:
-    """A simulated GPU of the catalogue (profiles loaded unless given)."""
+    """A simulated GPU of the catalogue (Vidur profiles loaded unless given; an entry of
+    measured whole steps is fitted from its file)."""
     entry: ProfileEntry = lookup_profile(config.gpu, config.model)
     params = params or ModelledParams()
+    if entry.source == PROBE_SOURCE:
+        return probe_hardware(entry, config, lora, params)
     if profiles is None:
         profiles = load_profiles(entry, config.vidur_dir, config.network)
     adapter = sim_lora(lora)
@@ -61,6 +72,25 @@ def gpu_hardware(config: SimHostConfig, lora: LoRAConfig, params: ModelledParams
                            256 + config.max_num_batched_tokens, adapter.num_params(entry.shape))
     return SimHardware(
         name=f"{entry.gpu}/{entry.model} TP{config.tp} ({profiles.network})", oracle=oracle,
+        backward=BackwardModel(oracle, entry.shape, params, adapter), shape=entry.shape,
+        tp=config.tp, kv_tokens=memory.kv_tokens, policy=GrantPolicy.PREFILL, graphs=True,
+        noise_sigma=oracle.noise_sigma(config.tp) if config.noise else 0.0, params=params,
+        memory=memory)
+
+
+def probe_hardware(entry: ProfileEntry, config: SimHostConfig, lora: LoRAConfig,
+                   params: ModelledParams) -> SimHardware:
+    """The H200 of measured steps (``h200.py``): its oracle fitted to them, the backward priced
+    from its forward by ``params`` as on the A100. ``config.vidur_dir`` does not apply."""
+    require(config.tp in entry.tp_degrees, "tp", config.tp,
+            f"{entry.gpu}/{entry.model} was measured at TP {entry.tp_degrees} only")
+    oracle = H200Oracle(load_probe(resolve_shared(entry.compute_subdir, "h200_probe")),
+                        entry.shape.num_layers)
+    adapter = sim_lora(lora)
+    memory = memory_budget(entry, config.tp, config.gpu_memory_utilization,
+                           256 + config.max_num_batched_tokens, adapter.num_params(entry.shape))
+    return SimHardware(
+        name=f"{entry.gpu}/{entry.model} TP{config.tp} (measured steps)", oracle=oracle,
         backward=BackwardModel(oracle, entry.shape, params, adapter), shape=entry.shape,
         tp=config.tp, kv_tokens=memory.kv_tokens, policy=GrantPolicy.PREFILL, graphs=True,
         noise_sigma=oracle.noise_sigma(config.tp) if config.noise else 0.0, params=params,

@@ -23,6 +23,20 @@ FP16_BYTES = 2
 ADAMW_BYTES_PER_PARAM = 28
 
 
+# Co-location, measured on one H200 with a Llama-3-8B-shaped model (shared/data/h200/README.md,
+# "Co-location with the graph decode (B=32, L=1024)"; probe.md §4). Decode inflation is the
+# median step time beside a LoRA backward over the step alone; "keeps" is the backward's rate
+# beside the decode over its rate alone.
+DECODE_INFLATION_STREAMS = 1.11  # one process, two CUDA streams (either priority)
+DECODE_INFLATION_PROCESSES = 1.41  # two processes, time-sliced by the driver (no MPS)
+BACKWARD_KEEPS_STREAMS = 0.90  # one process, two streams, normal priority (0.95 high)
+BACKWARD_KEEPS_PROCESSES = 0.98  # two processes, time-sliced
+# The whole eager-PyTorch backward job (recompute, backward, LM head and loss, AdamW) over the
+# training rows' forward: 4.83 (1×256 tokens), 4.93 (4×64) (README "LoRA backward alone";
+# probe.md §3). The recompute is one forward of those rows, so the backward proper is 4.83 − 1.
+BACKWARD_JOB_TO_FORWARD = 4.83
+BACKWARD_TO_FORWARD_EAGER = BACKWARD_JOB_TO_FORWARD - 1.0
+
 Num = TypeVar("Num", int, float)
 
 
@@ -51,24 +65,31 @@ class ModelledParams:
         "62.5 µs per layer for LoRA on all 7 projections; × 4/7 for the attention projections "
         "(q, k, v, o) trained here", 18e-6, 62.5e-6)
     backward_to_forward: float = _param(
-        1.07, "× layer forward",
-        "LLMStation (He et al., USENIX ATC'25), as quoted in issue #13: LoRA backward ≈ 1.07 × "
-        "forward. Cross-check: frozen base weights need only dX = dY·Wᵀ (one GEMM per linear, "
-        "as in the forward); attention backward costs ~2.5× its forward (5 vs 2 matmuls)",
-        1.0, 1.5)
+        BACKWARD_TO_FORWARD_EAGER, "× layer forward",
+        "measured, H200 (shared/data/h200/README.md, 'LoRA backward alone'; probe.md §3): a "
+        "layer-wise LoRA backward in eager PyTorch (recompute from the saved inputs, backward, "
+        "LM head and loss, AdamW) takes 4.83× the training rows' forward (1×256 tokens; 4.93 "
+        "at 4×64); the recompute is one forward, so the backward proper is 4.83 − 1 = 3.83×. "
+        "Launch-bound (GPU busy 18 %). Low end: LLMStation's 1.07 (He et al., ATC'25, as "
+        "quoted in issue #13), a backward that is not launch-bound",
+        1.07, 3.93)
     adamw_launches: int = _param(
         4, "kernels per optimizer step",
         "PyTorch AdamW(fused=True): multi-tensor kernels over the adapter's tensors; the time is "
         "bandwidth: 28 B per fp32 parameter at the profile's measured HBM bandwidth", 1, 32)
     decode_slowdown_under_backward: float = _param(
-        0.20, "fraction added to a decode step",
-        "NVIDIA MPS co-location of two LLM servers on one A100-80GB (Pebble case study, "
-        "Qwen3-4B, vLLM): median TPOT +19.5 % vs a dedicated GPU", 0.05, 0.60)
+        DECODE_INFLATION_PROCESSES - 1.0, "fraction added to a decode step",
+        "measured, H200 (shared/data/h200/README.md, 'Co-location' table; probe.md §4): a "
+        "graph decode step (B=32, L=1024) beside a LoRA backward in a second process, "
+        "time-sliced by the driver without MPS: median ×1.41 (p99 ×1.60). DeltaServe's backward "
+        "is a separate process (train/backward_process.py). Low end: one process, two CUDA "
+        "streams (×1.11); high end: the processes' p99", DECODE_INFLATION_STREAMS - 1.0, 0.60)
     backward_share_under_decode: float = _param(
-        0.5, "fraction of standalone backward rate",
-        "same study: two co-located servers keep 92.5 % of one dedicated server's throughput "
-        "together (≈ 0.46 each); a fair share of 0.5. No direct measurement of a LoRA backward "
-        "beside decode exists", 0.25, 0.75)
+        BACKWARD_KEEPS_PROCESSES, "fraction of standalone backward rate",
+        "measured, H200 (same table): the backward keeps 0.98 of its alone rate beside the "
+        "decode in a second process (time-sliced, no MPS); 0.90 in the same process on a "
+        "second CUDA stream, 0.95 with the decode stream at high priority. A launch-bound "
+        "backward (GPU busy 18 %) fills the decode's gaps", BACKWARD_KEEPS_STREAMS, 0.98)
     grant_poll_s: float = _param(
         10e-6, "s per layer boundary",
         "the backward synchronises its stream and reads the shared grant flag between layers: "

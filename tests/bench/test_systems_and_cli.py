@@ -159,3 +159,6 @@ def test_device_only_for_the_native_host(monkeypatch):
         HostConfig(device="cuda:1")
     with pytest.raises(InputError, match="cpu, cuda or cuda:N"):
         HostConfig(device="gpu")
+    with pytest.raises(InputError, match="native host only") as e:
+        BenchConfig(host="vllm", engine=HostConfig(model="random:tiny"))
+    assert e.value.field == "model"

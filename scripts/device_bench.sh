@@ -27,15 +27,15 @@
 # an overrun costs that stage, never the run. Estimates, from /work/shared/data/h200/README.md:
 #   1. python + CUDA start, one co-serving test of a tiny model        ~40 s   (cap 75)
 #   2. 8B drawn on the GPU (~2 s), graph capture of 7 batch sizes (17.9 s at 2b6c3af),
-#      10 probes x 11 runs x <= 0.12 s                                 ~35 s   (cap 90)
+#      10 probes x 21 runs at 2b6c3af's step times (8-111 ms): ~14 s   ~42 s   (cap 90)
 #   3. 8B drawn again, the backward process's start, 8 batches (or 30 s of training, a
 #      backward that fails every job commits nothing: the deadline ends it)  ~35 s   (cap 60)
 #   4. calibration (36.9 s at 2b6c3af) + the standalone trainer (a spawned process builds the
 #      8B on the GPU, ~30 s, trains 3 s) + 7 systems x (engine start S + 8 s of trace +
 #      ~3 s drain): S = 18 s -> 273 s; S = 3 s (no cuDNN plans at capture) -> 168 s (cap 300)
 #   5. the standalone trainer again (~33 s) + 4 systems x (S + 11 s)   ~89-145 s (the rest)
-# With S = 3 s it all takes ~380 s; with S = 18 s stage 5 does not fit and is cut (the summary
-# says so): the paper's SLO comes first.
+# With S = 3 s it all takes ~375 s; with S = 18 s stage 5 gets ~55 s and times out (exit 124
+# in the summary): the paper's SLO comes first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deltaserve.core.errors import InputError
 from deltaserve.hosts.config import HostConfig
@@ -82,3 +83,14 @@ def test_byte_tokenizer_round_trips_and_fits():
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert len(tok) <= min(c.vocab_size for c in RANDOM_MODELS.values())
     assert tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_MODELS))
+def test_transformers_builds_the_same_architecture(name):
+    """transformers reads the written config.json into a model of the same parameter count
+    (on the meta device: no memory), so the standalone trainer trains the same shape."""
+    hf = LlamaConfig(**{k: v for k, v in hf_config(RANDOM_MODELS[name], name).items()
+                        if k not in ("architectures", "model_type", "_name_or_path")})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in model.parameters()) == num_params(RANDOM_MODELS[name])

@@ -100,9 +100,10 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32) -> P
 
 def _random_model_dir(name: str) -> Path:
     """The directory of ``random:<shape>``: config.json, a tokenizer and the marker (made once,
-    atomically)."""
-    config = random_config(name)
-    out = cache_dir() / "models" / name.replace(":", "-")
+    atomically; named by its config's digest, so an edited shape never reads a stale one)."""
+    doc = json.dumps(hf_config(random_config(name), name), indent=1, sort_keys=True)
+    digest = hashlib.sha1(doc.encode()).hexdigest()[:10]
+    out = cache_dir() / "models" / f"{name.replace(':', '-')}-{digest}"
     if (out / RANDOM_MARKER).is_file():
         return out
     try:
@@ -113,7 +114,7 @@ def _random_model_dir(name: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(hf_config(config, name), indent=1))
+        (tmp / "config.json").write_text(doc)
         tok.save_pretrained(tmp)
         (tmp / RANDOM_MARKER).write_text(json.dumps({"model": name, "tokenizer": tok_name}))
         try:

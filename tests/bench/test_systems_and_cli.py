@@ -4,6 +4,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.greedy import GreedyFixedYieldScheduler, GreedyScheduler
@@ -15,6 +16,7 @@ from deltaserve.cli import main
 from deltaserve.cli_flags import add_dataclass_flags, from_args
 from deltaserve.core import AdmissionMode, InputError
 from deltaserve.hosts.config import HostConfig
+from deltaserve.model import loading
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.config import BackwardConfig, GrantPolicy
 
@@ -134,3 +136,38 @@ def test_out_placeholders_name_the_committed_layout():
     with pytest.raises(InputError) as e:
         BenchConfig(calibration_file="lm_{host}.json")
     assert e.value.field == "calibration_file"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("argv", [
+    ["bench", "--device", "cuda", "--model", "random:tiny"],
+    ["calibrate", "--device", "cuda", "--model", "random:tiny"],
+    ["serve", "random:tiny", "--device", "cuda:0"],
+])
+def test_cuda_device_is_refused_before_any_model_loads(argv, capsys, monkeypatch, tmp_path):
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the device was checked")
+
+    monkeypatch.setattr(loading, "resolve_model", no_load)
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--device=" in err or "device=" in err
+    assert "CUDA is not available" in err
+
+
+def test_device_only_for_the_native_host(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    engine = HostConfig(device="cuda")
+    assert BenchConfig(engine=engine).engine.device == "cuda"  # the embedded engine takes it
+    with pytest.raises(InputError) as e:
+        BenchConfig(host="vllm", engine=engine)
+    assert e.value.field == "device" and "cpu" in e.value.reason
+    with pytest.raises(InputError, match="1 CUDA device"):
+        HostConfig(device="cuda:1")
+    with pytest.raises(InputError, match="cpu, cuda or cuda:N"):
+        HostConfig(device="gpu")
+    with pytest.raises(InputError, match="native host only") as e:
+        BenchConfig(host="vllm", engine=HostConfig(model="random:tiny"))
+    assert e.value.field == "model"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.core.errors import InputError, require
 from deltaserve.hosts.config import HostConfig
-from deltaserve.hosts.registry import HOSTS
+from deltaserve.hosts.registry import HOSTS, check_host_device
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.config import BackwardConfig
 from deltaserve.train.optim import OptimizerConfig
@@ -87,6 +87,7 @@ class BenchConfig:
         _check_placeholders("out", self.out, date="", host="", trace="")
         _check_placeholders("calibration_file", self.calibration_file or "", threads=1)
         require(self.host in HOSTS, "host", self.host, f"choose from {', '.join(HOSTS)}")
+        check_host_device(self.host, self.engine)
         require(self.duration_s is None or self.duration_s > 0, "duration", self.duration_s,
                 "must be > 0")
         require(0 < self.peak_fraction <= 2, "peak_fraction", self.peak_fraction,

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_mode
 from deltaserve.bench.outcome import Commit, HardwareShare, SystemRun
@@ -33,7 +31,7 @@ def grant_policy(cfg: BenchConfig) -> GrantPolicy:
     own, leaves inference one core of two on this machine: no system meets a two-core pilot's
     SLO on one, split-pool included; see the README.)"""
     policy = cfg.backward.grant_policy
-    if policy is GrantPolicy.AUTO and torch.cuda.is_available():
+    if policy is GrantPolicy.AUTO and cfg.engine.device_type == "cuda":
         return GrantPolicy.PREFILL
     return policy
 
@@ -132,7 +130,8 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
             trainer = StandaloneTrainer(str(resolve_model(cfg.engine.model)),
                                         inputs.data.samples, cfg.lora, cfg.optimizer,
                                         cfg.backward.batch_tokens, threads=share.reserved,
-                                        dtype=cfg.engine.dtype, seed=cfg.seed)
+                                        dtype=cfg.engine.dtype, seed=cfg.seed,
+                                        device=cfg.engine.device)
             trainer.start()
         result = replay(host, inputs.trace, inputs.data.prompts, label=label,
                         progress=cfg.progress)

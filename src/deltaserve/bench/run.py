@@ -33,6 +33,7 @@ from deltaserve.bench.split_pool import standalone_tokens_per_s
 from deltaserve.bench.systems import PILOT, SystemSpec, parse_systems
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.model.loading import load_tokenizer, resolve_model
+from deltaserve.model.random_models import is_random
 
 
 @dataclass
@@ -94,8 +95,8 @@ def _point(reps: Replays, scale: float, names: list[str], base: HarvestBase) -> 
 def _accuracy(cfg: BenchConfig, data_heldout, reps: Replays, threads: int
               ) -> HeldoutAccuracy | None:
     run = reps.by_scale[cfg.slo_scale].get("deltaserve")
-    if not data_heldout or run is None:
-        return None
+    if not data_heldout or run is None or is_random(cfg.engine.model):
+        return None  # a random model's answers are noise: nothing to score
     return heldout_accuracy(cfg, data_heldout, run.adapter_dir, threads, "deltaserve")
 
 
@@ -129,7 +130,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     inputs = RunInputs(cfg, fitted.trace, data, lm_paths, work, threads)
     standalone = standalone_tokens_per_s(
         str(model_path), data.samples, cfg.lora, cfg.optimizer, cfg.backward.batch_tokens,
-        threads, cfg.standalone_seconds, dtype=cfg.engine.dtype, seed=cfg.seed)
+        threads, cfg.standalone_seconds, dtype=cfg.engine.dtype, seed=cfg.seed,
+        device=cfg.engine.device)
     log(cfg, f"standalone training on {threads} threads: {standalone:.1f} tokens/s")
     reps = replay_all(inputs, specs)
     base = harvest_base(reps.once[PILOT], standalone)

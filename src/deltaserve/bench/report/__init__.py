@@ -7,16 +7,16 @@ from pathlib import Path
 
 from deltaserve.bench.outcome import SystemRun
 from deltaserve.bench.report.page import page
-from deltaserve.bench.report.plots import (
-    plot_attainment,
-    plot_latency,
-    plot_loss,
-    plot_sweep,
-    plot_throughput,
-)
 from deltaserve.bench.results import BenchResults, SweepPoint
 from deltaserve.core.slo import SLOConfig
 from deltaserve.workloads.trace import Trace
+
+try:  # matplotlib is optional where only the numbers are wanted (a GPU machine without it)
+    from deltaserve.bench.report import plots
+except ModuleNotFoundError as e:
+    if e.name != "matplotlib":
+        raise
+    plots = None
 
 
 def write_report(out: Path, results: BenchResults, runs: dict[str, SystemRun]) -> None:
@@ -28,14 +28,22 @@ def write_report(out: Path, results: BenchResults, runs: dict[str, SystemRun]) -
 def write_pages(out: Path, doc: dict, runs: dict[str, SystemRun], slo: SLOConfig,
                 trace: Trace, sweep: Sequence[SweepPoint] = ()) -> None:
     """The report of ``doc`` (a ``results.json``) and its plots; ``runs`` in report order. A
-    host that replays its own way (the simulated host) writes its report through this."""
-    plot_latency(runs, slo, out / "latency.png")
-    plot_throughput(runs, trace, out / "throughput.png")
-    plot_attainment(runs, slo, out / "attainment.png")
+    host that replays its own way (the simulated host) writes its report through this. Without
+    matplotlib the page has no plots."""
+    images = _plots(out, runs, slo, trace, sweep) if plots is not None else []
+    (out / "report.html").write_text(page(doc, images))
+
+
+def _plots(out: Path, runs: dict[str, SystemRun], slo: SLOConfig, trace: Trace,
+           sweep: Sequence[SweepPoint]) -> list[str]:
+    assert plots is not None
+    plots.plot_latency(runs, slo, out / "latency.png")
+    plots.plot_throughput(runs, trace, out / "throughput.png")
+    plots.plot_attainment(runs, slo, out / "attainment.png")
     images = ["throughput.png", "latency.png", "attainment.png"]
     ds = runs.get("deltaserve")
-    if ds is not None and ds.train_log and plot_loss(ds.train_log, out / "loss.png"):
+    if ds is not None and ds.train_log and plots.plot_loss(ds.train_log, out / "loss.png"):
         images.append("loss.png")
     if sweep:
-        plot_sweep(list(sweep), out / "sweep.png")
-    (out / "report.html").write_text(page(doc, images))
+        plots.plot_sweep(list(sweep), out / "sweep.png")
+    return images

@@ -15,7 +15,6 @@ class EngineConfig(HostConfig):
     on a CUDA device, decode steps of base-model requests replay CUDA graphs captured at start-up
     for batch sizes 1, 2, 4, … ``max_num_seqs`` (ignored elsewhere)."""
 
-    device: str = "cpu"
     block_size: int = 16
     cuda_graphs: bool = True
 

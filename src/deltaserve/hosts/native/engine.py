@@ -47,7 +47,7 @@ class LLMEngine(BaseHost):
         if model is None:
             path = resolve_model(config.model)
             model = LlamaModel(*load_weights(path, resolve_dtype(config.dtype, config.device),
-                                             config.device))
+                                             config.device, seed=config.seed))
             model_path = str(path)
             if tokenizer is None and (path / "tokenizer_config.json").is_file():
                 tokenizer = load_tokenizer(path)

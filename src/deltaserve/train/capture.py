@@ -41,6 +41,10 @@ def forward_training_rows(model: LlamaModel, step: TrainingStep, adapter: Adapte
 
     with torch.no_grad():
         model.forward(ids, ctx, hook)
+    if ids.is_cuda:
+        # the backward process reads the buffer on streams of its own (CUDA orders no work
+        # across processes), and the caller times the step: both need the captures landed
+        torch.cuda.synchronize(ids.device)
     return model.num_layers
 
 

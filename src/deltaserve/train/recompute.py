@@ -26,9 +26,6 @@ from deltaserve.train.messages import JobSample
 # seconds it waited.
 GrantWait = Callable[[int], float]
 
-# Called before recomputing each layer; blocks while inference holds the grant and returns the
-# seconds it waited.
-
 
 @dataclass(frozen=True)
 class BackwardStats:
@@ -47,31 +44,48 @@ def shifted_targets(samples: Sequence[JobSample]) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
+def buffer_rows(samples: Sequence[JobSample], buffer: ActivationBuffer) -> torch.Tensor:
+    """The buffer rows of ``samples`` (each its contiguous run, in batch order), as an index on
+    the device the buffer's tensors live on: CUDA refuses to index a CUDA tensor with a CPU
+    index, and an offloaded buffer (pinned host memory) takes a CPU one."""
+    store = buffer.residual.device
+    return torch.cat([torch.arange(s.row_start, s.row_start + s.length, device=store)
+                      for s in samples])
+
+
 def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: ActivationBuffer,
                        samples: Sequence[JobSample], dropout: float,
                        wait_grant: GrantWait | None = None,
                        on_layer: Callable[[int], None] | None = None) -> BackwardStats:
     """Accumulate into the adapter's matrices (trainable: see ``make_trainable_``) the gradient
-    of the mean response-token loss; ``gather_grad_`` collects it into ``flat.grad``."""
-    device = buffer.residual.device if not buffer.config.offload else model.weights.device
+    of the mean response-token loss; ``gather_grad_`` collects it into ``flat.grad``.
+
+    Device invariant: the recompute runs where the model's weights are; the rows are gathered
+    where the buffer is (the same device, or pinned host memory when offloaded) and then moved.
+    Every index and target is made on the CPU from Python lists and moved once."""
+    device = model.weights.device
     lengths = [s.length for s in samples]
-    rows = torch.cat([torch.arange(s.row_start, s.row_start + s.length) for s in samples])
+    rows = buffer_rows(samples, buffer)
     segments, offset = [], 0
     for s in samples:
         segments.append(DropoutSegment(offset, s.length, s.dropout_seed))
         offset += s.length
-    targets = shifted_targets(samples).to(device)
-    counted = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    num_loss_tokens = int(counted.numel())
+    targets_cpu = shifted_targets(samples)
+    counted_cpu = (targets_cpu != IGNORE_INDEX).nonzero().squeeze(1)
+    num_loss_tokens = int(counted_cpu.numel())
     if num_loss_tokens == 0:
         raise ValueError("the batch has no response tokens to learn from")
+    targets, counted = targets_cpu.to(device), counted_cpu.to(device)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     group = LoRAGroup(adapter, slice(None), dropout, tuple(segments))
     mlp_saved = None
     if buffer.config.saves_mlp:
+        assert buffer.gate is not None and buffer.up is not None
+        gate_store, up_store = buffer.gate, buffer.up
+
         def mlp_saved(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return (buffer.gate[layer].index_select(0, rows).to(device),
-                    buffer.up[layer].index_select(0, rows).to(device))
+            return (gate_store[layer].index_select(0, rows).to(device),
+                    up_store[layer].index_select(0, rows).to(device))
     ctx = ForwardContext(positions, CausalSegments(lengths), (group,), mlp_saved=mlp_saved)
 
     paused = 0.0

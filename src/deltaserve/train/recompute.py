@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.core.data import IGNORE_INDEX
-from deltaserve.model.attention import CausalSegments
+from deltaserve.model.attention import CausalSegments, attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel
 from deltaserve.model.lora import AdapterWeights, DropoutSegment, LoRAGroup
 from deltaserve.train.buffer import ActivationBuffer
@@ -53,16 +53,20 @@ def buffer_rows(samples: Sequence[JobSample], buffer: ActivationBuffer) -> torch
                       for s in samples])
 
 
-def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: ActivationBuffer,
-                       samples: Sequence[JobSample], dropout: float,
-                       wait_grant: GrantWait | None = None,
-                       on_layer: Callable[[int], None] | None = None) -> BackwardStats:
-    """Accumulate into the adapter's matrices (trainable: see ``make_trainable_``) the gradient
-    of the mean response-token loss; ``gather_grad_`` collects it into ``flat.grad``.
+@dataclass(frozen=True)
+class _Batch:
+    rows: torch.Tensor  # buffer rows, on the buffer's device
+    targets: torch.Tensor  # [T] on the compute device
+    counted: torch.Tensor  # positions with a target, on the compute device
+    num_loss_tokens: int
+    ctx: ForwardContext
 
-    Device invariant: the recompute runs where the model's weights are; the rows are gathered
+
+def _batch(model: LlamaModel, adapter: AdapterWeights, buffer: ActivationBuffer,
+           samples: Sequence[JobSample], dropout: float) -> _Batch:
+    """Device invariant: the recompute runs where the model's weights are; the rows are gathered
     where the buffer is (the same device, or pinned host memory when offloaded) and then moved.
-    Every index and target is made on the CPU from Python lists and moved once."""
+    Every other index and the targets are made on the CPU from Python lists and moved once."""
     device = model.weights.device
     lengths = [s.length for s in samples]
     rows = buffer_rows(samples, buffer)
@@ -70,12 +74,10 @@ def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: Activ
     for s in samples:
         segments.append(DropoutSegment(offset, s.length, s.dropout_seed))
         offset += s.length
-    targets_cpu = shifted_targets(samples)
-    counted_cpu = (targets_cpu != IGNORE_INDEX).nonzero().squeeze(1)
-    num_loss_tokens = int(counted_cpu.numel())
-    if num_loss_tokens == 0:
+    targets = shifted_targets(samples)
+    counted = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    if counted.numel() == 0:
         raise ValueError("the batch has no response tokens to learn from")
-    targets, counted = targets_cpu.to(device), counted_cpu.to(device)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     group = LoRAGroup(adapter, slice(None), dropout, tuple(segments))
     mlp_saved = None
@@ -87,27 +89,40 @@ def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: Activ
             return (gate_store[layer].index_select(0, rows).to(device),
                     up_store[layer].index_select(0, rows).to(device))
     ctx = ForwardContext(positions, CausalSegments(lengths), (group,), mlp_saved=mlp_saved)
+    return _Batch(rows, targets.to(device), counted.to(device), int(counted.numel()), ctx)
 
+
+def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: ActivationBuffer,
+                       samples: Sequence[JobSample], dropout: float,
+                       wait_grant: GrantWait | None = None,
+                       on_layer: Callable[[int], None] | None = None) -> BackwardStats:
+    """Accumulate into the adapter's matrices (trainable: see ``make_trainable_``) the gradient
+    of the mean response-token loss; ``gather_grad_`` collects it into ``flat.grad``."""
+    device = model.weights.device
+    b = _batch(model, adapter, buffer, samples, dropout)
+    counted, targets = b.counted, b.targets
     paused = 0.0
     grad_out: torch.Tensor | None = None
     loss_value, num_correct = 0.0, 0
-    for layer in reversed(range(model.num_layers)):
-        if wait_grant is not None:
-            paused += wait_grant(layer)
-        h = buffer.residual[layer].index_select(0, rows).to(device)
-        h.requires_grad_(layer > 0)
-        out = model.layer(layer, h, ctx)
-        if grad_out is None:  # the last layer: through the head to the loss
-            # Only positions with a target reach the LM head: masked prompt positions add
-            # nothing to the loss, and the head is a fifth of a small model's FLOPs.
-            logits = model.logits(out[counted])
-            loss = F.cross_entropy(logits, targets[counted], reduction="sum") / num_loss_tokens
-            loss.backward()
-            loss_value = float(loss.detach())
-            num_correct = int((logits.detach().argmax(-1) == targets[counted]).sum())
-        else:
-            out.backward(grad_out)
-        grad_out = h.grad if layer > 0 else None
-        if on_layer is not None:
-            on_layer(layer)
-    return BackwardStats(loss_value, num_loss_tokens, paused, num_correct)
+    with attention_kernels(device):
+        for layer in reversed(range(model.num_layers)):
+            if wait_grant is not None:
+                paused += wait_grant(layer)
+            h = buffer.residual[layer].index_select(0, b.rows).to(device)
+            h.requires_grad_(layer > 0)
+            out = model.layer(layer, h, b.ctx)
+            if grad_out is None:  # the last layer: through the head to the loss
+                # Only positions with a target reach the LM head: masked prompt positions add
+                # nothing to the loss, and the head is a fifth of a small model's FLOPs.
+                logits = model.logits(out[counted])
+                loss = F.cross_entropy(logits, targets[counted],
+                                       reduction="sum") / b.num_loss_tokens
+                loss.backward()
+                loss_value = float(loss.detach())
+                num_correct = int((logits.detach().argmax(-1) == targets[counted]).sum())
+            else:
+                out.backward(grad_out)
+            grad_out = h.grad if layer > 0 else None
+            if on_layer is not None:
+                on_layer(layer)
+    return BackwardStats(loss_value, b.num_loss_tokens, paused, num_correct)

@@ -27,6 +27,7 @@ from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.registry import HOSTS, create_host
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.server.launch import ServeConfig, serve
+from deltaserve.train.lost_steps import TrainingFailed
 from deltaserve.train.preflight import writable_file
 
 Flags = dict[str, str]
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
+    except TrainingFailed as e:  # the backward lost every step: no result to report
+        print(f"deltaserve: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

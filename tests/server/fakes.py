@@ -292,6 +292,7 @@ class FakeRunner:
 
 # ---- statistics -------------------------------------------------------------------------------
 SKIPS = {Skip.POOL_EMPTY: 3, Skip.OVER_BUDGET: 5, Skip.BACKWARD_RUNNING: 7}
+STEPS_LOST = {"RuntimeError": 4, "worker_died": 1}
 
 
 class FakeStats:
@@ -309,4 +310,5 @@ class FakeStats:
             step_time_measured_s=1.75, latency_model_mape=0.042,
             slo_misses={"ttft": finished // 10, "tpot": finished // 20},
             requests_finished=finished, requests_slo_missed=finished // 10,
-            inference_tokens=self.backend.generated_tokens, backward_busy_ratio=0.25)
+            inference_tokens=self.backend.generated_tokens, backward_busy_ratio=0.25,
+            ft_steps_lost=STEPS_LOST)

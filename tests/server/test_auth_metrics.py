@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deltaserve.core.errors import InputError
 from deltaserve.server import ServerConfig
 from deltaserve.server.config import DEFAULT_BIND
-from tests.server.fakes import BASE_MODEL, SKIPS
+from tests.server.fakes import BASE_MODEL, SKIPS, STEPS_LOST
 from tests.server.live import (
     API_KEY,
     alpaca_records,
@@ -96,6 +96,8 @@ def test_metrics_report_the_snapshot(live):
     assert m[("deltaserve:ft_tokens_admitted_total", ())] == snap.ft_tokens_admitted
     for reason, n in SKIPS.items():
         assert m[("deltaserve:admission_skips_total", (("reason", reason.value),))] == n
+    for reason, n in STEPS_LOST.items():
+        assert m[("deltaserve:ft_steps_lost_total", (("reason", reason),))] == n
     assert m[("deltaserve:step_time_predicted_seconds_sum", ())] == 1.5
     assert m[("deltaserve:step_time_measured_seconds_count", ())] == 40
     assert m[("deltaserve:latency_model_mape", ())] == pytest.approx(0.042)

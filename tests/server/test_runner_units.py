@@ -4,6 +4,7 @@ sequences), the co-serving counters summed over jobs, and ``deltaserve serve``'s
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,60 @@ def test_totals_count_only_what_each_job_trained_here():
     assert job2.skips == {"pool_empty": 6, "over_budget": 2}
     assert job2.backward_busy_s == pytest.approx(2.0 + 2.5)
     assert job2.tokens_admitted == (1005 - 5) + (1505 - 805)
+    lost = FineTuningTotals().plus(replace(stats(10, {}, 0.0), steps_lost={"RuntimeError": 3}),
+                                   replace(stats(0, {}, 0.0), steps_lost={"RuntimeError": 1}))
+    assert lost.steps_lost == {"RuntimeError": 2}
+
+
+class _FailingJobHost:
+    """A host whose co-server gives up training right after the job starts."""
+
+    def __init__(self):
+        self.detached: list[tuple[bool, bool]] = []
+        self.listeners = []
+
+    def attach(self, **kw):
+        host = self
+
+        class _Co:
+            def subscribe(self, listener):
+                host.listeners.append(listener)
+
+            def stats(self):
+                return stats(0, {}, 0.0)
+
+        return _Co()
+
+    def detach(self, *, drain, checkpoint):
+        self.detached.append((drain, checkpoint))
+
+
+def test_a_job_whose_training_gave_up_fails_with_the_reason(tmp_path):
+    from deltaserve.core.slo import SLOConfig
+    from deltaserve.server.coserving_runner import CoServingRunner
+    from deltaserve.server.protocols import (
+        FailedEvent,
+        TrainingHyperparameters,
+        TrainingJobSpec,
+    )
+    from deltaserve.train.config import CoServeConfig
+    from deltaserve.train.events import TrainingStopped
+    from tests.train import fixtures as fx
+
+    host = _FailingJobHost()
+    runner = CoServingRunner(host, CoServeConfig(slo=SLOConfig(1.0, 0.5)), None, 64)
+    runner.start(TrainingJobSpec("job-1", "tiny", tuple(fx.samples(4)), (),
+                                 TrainingHyperparameters(1, 1e-3, 64), 0, tmp_path, 10))
+    reason = "ValueError: the batch has no response tokens to learn from"
+    for listener in host.listeners:
+        listener(StepLost(0.0, 0, 4, "Traceback ...\n" + reason))
+        listener(TrainingStopped(0.0, reason, 5))
+    events = runner.poll()
+    assert isinstance(events[0], NoticeEvent)  # the lost step
+    assert isinstance(events[-1], FailedEvent) and events[-1].code == "training_failed"
+    assert reason in events[-1].message and "5 optimizer steps" in events[-1].message
+    assert host.detached == [(False, True)]  # detached: the host serves inference alone
+    assert runner.poll() == []
 
 
 def parse(*argv: str) -> ServeConfig:

@@ -65,6 +65,9 @@ class StandInTrainer:
     def maybe_launch(self, force: bool = False) -> None:
         pass
 
+    def subscribe(self, listener) -> None:
+        pass  # emits no training events
+
 
 class Clock:
     def __init__(self):

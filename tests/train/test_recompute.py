@@ -105,3 +105,88 @@ def test_dropout_changes_gradients(model):
     _, g0 = full_backward(model, adapter_for(model, 0.0), samples)
     _, g1 = full_backward(model, adapter_for(model, 0.3), samples)
     assert not torch.allclose(g0, g1)
+
+
+class _OtherDeviceStore:
+    """A buffer tensor as it behaves on another device (``meta`` stands in for a GPU on this
+    CPU-only machine): it reports that device and, as CUDA does, refuses an index that is not
+    on it. Its values stay on the CPU; a meta index carries none, so a gather returns the rows
+    the test knows the batch owns (``want_rows``)."""
+
+    def __init__(self, data, want_rows, device="meta"):
+        self.data, self.want_rows, self.device = data, want_rows, torch.device(device)
+        self.index_devices = []
+
+    def __getitem__(self, layer):
+        store = self
+
+        class _Layer:
+            def index_select(self, dim, index):
+                store.index_devices.append(index.device)
+                if index.device != store.device:
+                    raise RuntimeError(f"Expected all tensors to be on the same device, but got "
+                                       f"index is on {index.device}, different from other "
+                                       f"tensors on {store.device}")
+                assert dim == 0 and index.dtype == torch.long
+                assert tuple(index.shape) == tuple(store.want_rows.shape)
+                return store.data[layer].index_select(0, store.want_rows)
+
+        return _Layer()
+
+
+@pytest.mark.parametrize("save", ["residual", "residual+mlp"])
+def test_rows_are_gathered_with_an_index_on_the_buffers_device(model, save):
+    """On CUDA every backward job failed: the row index was built on the CPU for a buffer on the
+    GPU. With the buffer on another device the recompute indexes it there (and computes where
+    the model is), with the gradients of the all-CPU run."""
+    samples = make_samples()
+    ad = adapter_for(model, 0.3)
+    total = sum(js.length for _, js in samples)
+    buf = ActivationBuffer(BufferConfig(total + 5, save), model.config, torch.float32)
+    forward_training_rows(model, capturing_step(samples, 0.3, buf), ad)
+    jobs = [js for _, js in samples]
+    want = ad.clone(requires_grad=True)
+    want_stats = layerwise_backward(model, want, buf, jobs, 0.3)
+    want.gather_grad_()
+
+    rows = torch.cat([torch.arange(js.row_start, js.row_start + js.length) for js in jobs])
+    stores = {"residual": _OtherDeviceStore(buf.residual, rows)}
+    buf.residual = stores["residual"]
+    if buf.config.saves_mlp:
+        buf.gate = stores["gate"] = _OtherDeviceStore(buf.gate, rows)
+        buf.up = stores["up"] = _OtherDeviceStore(buf.up, rows)
+    got = ad.clone(requires_grad=True)
+    stats = layerwise_backward(model, got, buf, jobs, 0.3)
+    got.gather_grad_()
+    for store in stores.values():
+        assert store.index_devices and set(store.index_devices) == {torch.device("meta")}
+    assert stats.loss == want_stats.loss and stats.num_loss_tokens == want_stats.num_loss_tokens
+    assert torch.equal(got.flat.grad, want.flat.grad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_layerwise_backward_on_cuda_matches_cpu(model):
+    samples = make_samples()
+    ad = adapter_for(model, 0.0)
+    total = sum(js.length for _, js in samples)
+    jobs = [js for _, js in samples]
+    buf = ActivationBuffer(BufferConfig(total), model.config, torch.float32)
+    forward_training_rows(model, capturing_step(samples, 0.0, buf), ad)
+    want = ad.clone(requires_grad=True)
+    want_stats = layerwise_backward(model, want, buf, jobs, 0.0)
+    want.gather_grad_()
+
+    cuda_model = LlamaModel(model.config, type(model.weights)(
+        model.weights.embed.cuda(), [type(lw)(**{k: (v.cuda() if v is not None else None)
+                                                  for k, v in vars(lw).items()})
+                                     for lw in model.weights.layers],
+        model.weights.norm.cuda(), model.weights.lm_head.cuda()))
+    cuda_buf = ActivationBuffer(BufferConfig(total), model.config, torch.float32, "cuda")
+    cuda_buf.residual.copy_(buf.residual)
+    got = AdapterWeights(model.config, ad.config, ad.flat.detach().clone().cuda())
+    got.make_trainable_()
+    stats = layerwise_backward(cuda_model, got, cuda_buf, jobs, 0.0)
+    grad = got.gather_grad_().cpu()
+    assert stats.loss == pytest.approx(want_stats.loss, rel=1e-4)
+    torch.testing.assert_close(grad, want.flat.grad, rtol=1e-3, atol=1e-5)

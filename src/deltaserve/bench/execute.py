@@ -120,6 +120,7 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
     trainer: StandaloneTrainer | None = None
     try:
         commits: list[Commit] = []
+        co: CoServer | None = None
         if spec.coserve:
             assert slo is not None, "a co-serving system needs an SLO"
             co = host.attach(dataset=inputs.data.samples,
@@ -135,6 +136,8 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
             trainer.start()
         result = replay(host, inputs.trace, inputs.data.prompts, label=label,
                         progress=cfg.progress)
+        if co is not None:  # a run whose backward lost every step is an error, not 0 tokens/s
+            co.raise_if_failed()
         if trainer is not None:
             commits = [Commit(s.at_s, s.num_tokens, s.num_samples, s.num_padded_tokens)
                        for s in trainer.stop()]

@@ -10,6 +10,9 @@
   checkpoint's PEFT directory is the job's model.
 * ``pause``: drain, checkpoint, detach (the captured samples are trained, nothing is lost).
 * ``cancel``: detach without draining or checkpointing; nothing more trains.
+* failed: the co-server gave up training (``TrainingStopped``: every optimizer step lost, see
+  :mod:`deltaserve.train.lost_steps`): detached with a checkpoint of its last committed step,
+  and the job fails with the reason (``training_failed``); the host keeps serving inference.
 
 Detaching happens on the driver's thread while the host keeps serving: the host lets go of the
 co-server between two steps (:meth:`BaseHost.detach`), so inference never waits for training
@@ -50,6 +53,7 @@ from deltaserve.train.events import (
     Listener,
     OptimizerStep,
     TrainingEvent,
+    TrainingStopped,
 )
 
 log = logging.getLogger("deltaserve.server")
@@ -89,11 +93,14 @@ class FineTuningTotals:
     step_time_predicted_s: float = 0.0
     step_time_measured_s: float = 0.0
     backward_busy_s: float = 0.0
+    steps_lost: dict[str, int] = field(default_factory=dict)  # by kind
 
     def plus(self, now: CoServeStats, since: CoServeStats) -> FineTuningTotals:
         """These totals plus what a co-server counted between ``since`` and ``now``."""
         skips = Counter(self.skips)
         skips.update({k: v - since.skips.get(k, 0) for k, v in now.skips.items()})
+        lost = Counter(self.steps_lost)
+        lost.update({k: v - since.steps_lost.get(k, 0) for k, v in now.steps_lost.items()})
         return FineTuningTotals(
             self.tokens_committed + now.ft_tokens_committed - since.ft_tokens_committed,
             self.samples_committed + now.ft_samples_committed - since.ft_samples_committed,
@@ -102,7 +109,7 @@ class FineTuningTotals:
             self.step_time_predicted_s + now.step_time_predicted_s
             - since.step_time_predicted_s,
             self.step_time_measured_s + now.step_time_measured_s - since.step_time_measured_s,
-            self.backward_busy_s + now.backward_busy_s - since.backward_busy_s)
+            self.backward_busy_s + now.backward_busy_s - since.backward_busy_s, dict(lost))
 
 
 @dataclass(eq=False)
@@ -115,6 +122,7 @@ class _Job:
     samples_done: int
     finished: threading.Event = field(default_factory=threading.Event)
     checkpoint: tuple[int, Path] | None = None  # the newest CheckpointSaved
+    stopped: TrainingStopped | None = None  # training gave up: the job fails
 
     def observe(self, ev: TrainingEvent) -> None:
         """The co-server's listener (on the host's thread; a fault here must not reach it)."""
@@ -126,6 +134,9 @@ class _Job:
                     self.finished.set()
             elif isinstance(ev, CheckpointSaved):
                 self.checkpoint = (ev.step, Path(ev.path))
+            elif isinstance(ev, TrainingStopped):
+                self.stopped = ev
+                self.finished.set()
         except Exception:
             log.exception("job %s: could not record a training event", self.spec.job_id)
 
@@ -168,7 +179,9 @@ class CoServingRunner:
     def poll(self) -> list[RunnerEvent]:
         job = self._job
         if job is not None:
-            if job.finished.is_set():
+            if job.stopped is not None:
+                self._failed(job, job.stopped)
+            elif job.finished.is_set():
                 self._finish(job)
             else:
                 self._ready += job.events.take()
@@ -231,6 +244,14 @@ class CoServingRunner:
                                            f"step {step} but its adapter was not written: {e}"))
             return
         self._ready.append(FinishedEvent(final, job.events.last_metrics))
+
+    def _failed(self, job: _Job, ev: TrainingStopped) -> None:
+        self._detach(job, drain=False, checkpoint=True)
+        self._ready += job.events.take()
+        log.error("job %s: training failed: %s", job.spec.job_id, ev.reason)
+        self._ready.append(FailedEvent("training_failed", f"training stopped after "
+                                       f"{ev.lost_steps} optimizer steps in a row were lost "
+                                       f"(none reached the adapter): {ev.reason}"))
 
     def _final_adapter(self, job: _Job, step: int) -> Path:
         """The final checkpoint's PEFT directory; written separately if that checkpoint

@@ -12,6 +12,8 @@ deltaserve:ft_tokens_committed_total           counter  fine-tuning tokens in th
 deltaserve:ft_samples_committed_total          counter  fine-tuning samples in the adapter
 deltaserve:ft_tokens_admitted_total            counter  tokens admitted into host steps
 deltaserve:admission_skips_total{reason}       counter  steps that admitted nothing (more)
+deltaserve:ft_steps_lost_total{reason}         counter  optimizer steps lost (exception class,
+                                                        or worker_died); samples train again
 deltaserve:step_time_predicted_seconds         summary  the latency model's step predictions
 deltaserve:step_time_measured_seconds          summary  measured step times
 deltaserve:latency_model_mape                  gauge    online per-step error (refit window)
@@ -71,6 +73,12 @@ class ServingCollector(Collector):
         for reason in Skip:
             skips.add_metric([reason.value], s.admission_skips.get(reason, 0))
         yield skips
+        lost = CounterMetricFamily(PREFIX + "ft_steps_lost",
+                                   "Optimizer steps lost (their samples train again), by reason",
+                                   labels=["reason"])
+        for reason, n in sorted(s.ft_steps_lost.items()):
+            lost.add_metric([reason], n)
+        yield lost
         for which, total in (("predicted", s.step_time_predicted_s),
                              ("measured", s.step_time_measured_s)):
             yield SummaryMetricFamily(PREFIX + f"step_time_{which}_seconds",

@@ -13,7 +13,7 @@ the tests drive the whole service with in-process fakes.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
@@ -213,6 +213,8 @@ class ServingStatsSnapshot:
     requests_slo_missed: int
     inference_tokens: int  # output tokens generated for clients
     backward_busy_ratio: float  # fraction of wall time the backward process computed
+    # optimizer steps lost, by kind (an exception's class, or "worker_died")
+    ft_steps_lost: Mapping[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable

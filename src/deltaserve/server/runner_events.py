@@ -16,6 +16,7 @@ co-server                   job
                             for step 0: nothing was trained)
 ``StepLost``                ``NoticeEvent``: the step's samples train again
 ``TrainingIOError``         ``NoticeEvent``: training waits until the write succeeds
+``TrainingStopped``         nothing here: the runner fails the job (``training_failed``)
 =========================  ==============================================================
 """
 
@@ -104,7 +105,7 @@ class EventTranslator:
         if isinstance(ev, TrainingIOError):
             return [NoticeEvent(f"Could not write the {ev.what} ({ev.error}); training waits "
                                 "and retries until the write succeeds")]
-        return []  # ValidationLoss: merged into its step
+        return []  # ValidationLoss: merged into its step; TrainingStopped: the runner's
 
     def _step(self, ev: OptimizerStep) -> list[RunnerEvent]:
         self._tokens += ev.num_tokens

@@ -11,6 +11,8 @@ admission_skips, steps,         totals`); steps are those the latency model had 
 step_time_predicted/measured_s  before they ran, while a job co-served
 backward_busy_ratio             the backward's compute time (``CoServeStats.backward_busy_s``)
                                 over the server's uptime
+ft_steps_lost                   the co-servers' lost optimizer steps by kind (``CoServeStats.
+                                steps_lost``), summed over the jobs like the counters above
 latency_model_mape              the latency model's online error (``LatencyModel.
                                 online_error``), all modes pooled, over its error window
 requests_finished, slo_misses,  the host's request counters (``BaseHost.request_counters``):
@@ -58,4 +60,5 @@ class HostServingStats:
             slo_misses={"ttft": req.ttft_misses, "tpot": req.tpot_misses},
             requests_finished=req.finished, requests_slo_missed=req.slo_missed,
             inference_tokens=req.output_tokens,
-            backward_busy_ratio=min(1.0, ft.backward_busy_s / uptime_s))
+            backward_busy_ratio=min(1.0, ft.backward_busy_s / uptime_s),
+            ft_steps_lost=ft.steps_lost)

@@ -93,7 +93,8 @@ class RunnerServingStats:
             steps=ft.steps_timed, step_time_predicted_s=ft.step_time_predicted_s,
             step_time_measured_s=ft.step_time_measured_s, latency_model_mape=None,
             slo_misses={}, requests_finished=0, requests_slo_missed=0, inference_tokens=0,
-            backward_busy_ratio=min(1.0, ft.backward_busy_s / uptime_s))
+            backward_busy_ratio=min(1.0, ft.backward_busy_s / uptime_s),
+            ft_steps_lost=ft.steps_lost)
 
 
 class DeltaServeEndpoints:

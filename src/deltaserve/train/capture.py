@@ -11,7 +11,7 @@ import torch
 from deltaserve.core.admission import SchedulingView
 from deltaserve.core.contract import CoServingHooks, StepReport, TrainingStep
 from deltaserve.core.shape import StepShape
-from deltaserve.model.attention import CausalSegments
+from deltaserve.model.attention import CausalSegments, attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel
 from deltaserve.model.lora import AdapterWeights, training_group
 
@@ -39,8 +39,12 @@ def forward_training_rows(model: LlamaModel, step: TrainingStep, adapter: Adapte
             raise StepAborted(layer)
         step.capture(layer, h)
 
-    with torch.no_grad():
+    with torch.no_grad(), attention_kernels(ids.device):
         model.forward(ids, ctx, hook)
+    if ids.is_cuda:
+        # the backward process reads the buffer on streams of its own (CUDA orders no work
+        # across processes), and the caller times the step: both need the captures landed
+        torch.cuda.synchronize(ids.device)
     return model.num_layers
 
 

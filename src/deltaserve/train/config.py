@@ -46,7 +46,10 @@ class BackwardConfig:
     ``yield_reserve``: the slack a yield leaves unspent (:mod:`deltaserve.core.yield_reserve`).
     ``park_timeout_s``: under ``exclusive``, the longest a step waits for the backward to
     stop at its next layer boundary; past it (a hung backward) the step runs beside it, so a
-    training fault slows inference but never stops it."""
+    training fault slows inference but never stops it. ``stop_after_lost_steps``: training
+    stops with :class:`~deltaserve.train.lost_steps.TrainingFailed` once this many optimizer
+    steps in a row are lost (a backward that fails every job trains nothing; inference goes
+    on)."""
 
     batch_tokens: int = 256
     buffer_tokens: int | None = None
@@ -58,6 +61,7 @@ class BackwardConfig:
     max_yield_s: float = 0.5
     yield_reserve: YieldReserveConfig = field(default_factory=YieldReserveConfig)
     park_timeout_s: float = 1.0
+    stop_after_lost_steps: int = 5
 
     def __post_init__(self) -> None:
         require(self.batch_tokens > 0, "backward_batch_tokens", self.batch_tokens, "must be > 0")
@@ -69,6 +73,8 @@ class BackwardConfig:
         coerce_enum(self, "grant_policy", GrantPolicy)
         require(self.max_yield_s > 0, "max_yield_s", self.max_yield_s, "must be > 0")
         require(self.park_timeout_s > 0, "park_timeout_s", self.park_timeout_s, "must be > 0")
+        require(self.stop_after_lost_steps >= 1, "stop_after_lost_steps",
+                self.stop_after_lost_steps, "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.train.backward_driver import resolve_policy
 from deltaserve.train.config import CoServeConfig
+from deltaserve.train.events import CoServeStats
 from deltaserve.train.facade import BaseCoServer
 from deltaserve.train.samples import SampleBook
 from deltaserve.train.trainer import Publish, Trainer
@@ -54,6 +55,9 @@ class CoServer(BaseCoServer):
         super().__init__(config, limits, samples, TorchTrainerFactory(model, base_model, publish,
                                                              tuple(validation)),
                          latency_model=latency_model, scheduler_cls=scheduler_cls)
+
+    def stats(self) -> CoServeStats:
+        return replace(super().stats(), steps_lost=dict(self.trainer.lost.by_kind))
 
     @property
     def adapter(self) -> AdapterWeights:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.core.data import IGNORE_INDEX
-from deltaserve.model.attention import CausalSegments
+from deltaserve.model.attention import CausalSegments, attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAGroup
 from deltaserve.train.messages import EvalDone, EvalJob
@@ -83,7 +83,7 @@ def validation_loss(model: LlamaModel, adapter: AdapterWeights, job: EvalJob,
     """The mean response-token loss of ``adapter`` on the job's samples."""
     t0 = time.perf_counter()
     loss_sum, num_tokens, num_correct, paused = 0.0, 0, 0, 0.0
-    with torch.no_grad():
+    with torch.no_grad(), attention_kernels(model.weights.device):
         for chunk in _chunks(job, chunk_tokens):
             s, n, c, p = _chunk_loss(model, adapter, job, chunk, wait_grant, on_layer)
             loss_sum, num_tokens, num_correct, paused = (loss_sum + s, num_tokens + n,

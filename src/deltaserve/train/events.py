@@ -4,7 +4,7 @@ writes to its training log, one typed event per thing that happened."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,17 @@ class StepLost:
 
 
 @dataclass(frozen=True)
+class TrainingStopped:
+    """Training gave up: ``lost_steps`` optimizer steps in a row were lost, the last for
+    ``reason`` (see :mod:`deltaserve.train.lost_steps`). The co-server admits no more samples and
+    submits no more jobs; inference goes on. Nothing follows it but a checkpoint at close."""
+
+    at_s: float
+    reason: str
+    lost_steps: int
+
+
+@dataclass(frozen=True)
 class CheckpointSaved:
     at_s: float
     step: int
@@ -67,7 +78,8 @@ class TrainingIOError:
     error: str
 
 
-TrainingEvent = OptimizerStep | ValidationLoss | StepLost | CheckpointSaved | TrainingIOError
+TrainingEvent = (OptimizerStep | ValidationLoss | StepLost | TrainingStopped | CheckpointSaved
+                 | TrainingIOError)
 Listener = Callable[[TrainingEvent], None]
 
 
@@ -82,7 +94,8 @@ class CoServeStats:
     resumed checkpoint's). ``ft_tokens_admitted``: tokens admission put into steps (an aborted
     step's too); ``steps_timed``: steps the latency model had predicted before they ran, with the
     sums of those predictions and of the measured times; ``backward_busy_s``: time the backward
-    process computed (grant waits excluded)."""
+    process computed (grant waits excluded); ``steps_lost``: optimizer steps lost, by kind (an
+    exception's class, or ``worker_died``: :func:`deltaserve.train.lost_steps.reason_kind`)."""
 
     ft_tokens_committed: int
     ft_samples_committed: int
@@ -101,3 +114,4 @@ class CoServeStats:
     step_time_predicted_s: float = 0.0
     step_time_measured_s: float = 0.0
     backward_busy_s: float = 0.0
+    steps_lost: dict[str, int] = field(default_factory=dict)

@@ -10,7 +10,9 @@ over its parts.
 
 Sample lifecycle: admitted (claimed, rows reserved) → captured (ready) → in the backward →
 committed (adapter published, rows freed). An aborted step or a lost backward job releases its
-samples, so each is trained exactly once per epoch.
+samples, so each is trained exactly once per epoch. Once the training half gives up
+(:class:`~deltaserve.train.events.TrainingStopped`: every step lost), steps admit nothing more
+and the co-server serves inference alone; :meth:`BaseCoServer.raise_if_failed` says why.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from deltaserve.core.admission import AdmissionMode, AdmissionScheduler, SchedulingView
+from deltaserve.core.admission import (
+    AdmissionMode,
+    AdmissionPlan,
+    AdmissionScheduler,
+    SchedulingView,
+    Skip,
+)
 from deltaserve.core.calibration import HostLimits
 from deltaserve.core.contract import StepReport, TrainingStep
 from deltaserve.core.data import TrainingSample
@@ -29,7 +37,8 @@ from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.pool import SamplePool
 from deltaserve.core.yield_reserve import YieldReserve
 from deltaserve.train.config import CoServeConfig
-from deltaserve.train.events import CoServeStats, Listener
+from deltaserve.train.events import CoServeStats, Listener, TrainingEvent, TrainingStopped
+from deltaserve.train.lost_steps import TrainingFailed
 from deltaserve.train.samples import SampleBook, buffer_capacity
 from deltaserve.train.trainer_api import CoTrainer, TrainerFactory
 
@@ -64,6 +73,8 @@ class BaseCoServer:
         # production counters (the service's /metrics reads them through stats())
         self._skips: Counter[str] = Counter()
         self._timing: Counter[str] = Counter()
+        self._failure: TrainingFailed | None = None
+        self.trainer.subscribe(self._on_training_event)
 
     @property
     def backward_busy(self) -> bool:
@@ -80,8 +91,11 @@ class BaseCoServer:
         # after a yield, admission (when it may run beside the backward) keeps its reserve too
         reserve_s, self._lent_reserve_s = self._lent_reserve_s, 0.0
         self.step_yield_s, self._lent_s = self._lent_s, 0.0
-        plan = self.scheduler.plan(view, backward_running=t.backward.busy,
-                                   batch_room_tokens=room, reserve_s=reserve_s)
+        if self._failure is not None:  # training gave up: the step serves inference only
+            plan = AdmissionPlan((), view.proposed, None, math.nan, Skip.OFF)
+        else:
+            plan = self.scheduler.plan(view, backward_running=t.backward.busy,
+                                       batch_room_tokens=room, reserve_s=reserve_s)
         if plan.skip is not None:
             self._skips[plan.skip.value] += 1
         if plan.sample_ids:
@@ -123,7 +137,7 @@ class BaseCoServer:
     def wants_step(self) -> bool:
         if self.trainer.has_pending:
             return True
-        return (self.config.admission.mode is not AdmissionMode.OFF
+        return (self._failure is None and self.config.admission.mode is not AdmissionMode.OFF
                 and self.latency.is_calibrated and self.book.can_admit())
 
     def idle(self, timeout_s: float) -> None:
@@ -164,6 +178,21 @@ class BaseCoServer:
     def poll(self, timeout_s: float = 0.0) -> None:
         """Handle backward results now (waiting up to ``timeout_s`` for one)."""
         self.trainer.poll(timeout_s)
+
+    def _on_training_event(self, event: TrainingEvent) -> None:
+        if isinstance(event, TrainingStopped) and self._failure is None:
+            self._failure = TrainingFailed(event.reason, event.lost_steps)
+
+    @property
+    def failure(self) -> TrainingFailed | None:
+        """Why training stopped for good (``None`` while it trains)."""
+        return self._failure
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`TrainingFailed` if training gave up: a caller that reports training
+        throughput must not report a run that trained nothing as a result."""
+        if self._failure is not None:
+            raise self._failure
 
     def subscribe(self, listener: Listener) -> None:
         """``listener`` receives every training event from now on, on the host's thread."""

@@ -91,12 +91,18 @@ class OptimizerState:
 
 def build_adamw(param: torch.Tensor, config: OptimizerConfig, state: OptimizerState
                 ) -> torch.optim.AdamW:
-    """``torch.optim.AdamW`` over ``param`` starting from (private copies of) ``state``."""
+    """``torch.optim.AdamW`` over ``param`` starting from (private copies of) ``state``.
+
+    The shared state lives in host memory; the moments are copied to ``param``'s device (AdamW
+    updates them with ``param``'s gradient, so on a GPU a host copy fails every step after a
+    resume or a lost job). The step count stays a host scalar, where AdamW keeps it itself."""
     opt = torch.optim.AdamW([param], lr=config.lr, betas=(config.beta1, config.beta2),
                             eps=config.eps, weight_decay=config.weight_decay, foreach=False)
     if state.num_steps > 0:
-        opt.state[param] = {"step": state.step.clone(), "exp_avg": state.exp_avg.clone(),
-                            "exp_avg_sq": state.exp_avg_sq.clone()}
+        dev = param.device
+        opt.state[param] = {"step": state.step.clone(),
+                            "exp_avg": state.exp_avg.to(dev, copy=True),
+                            "exp_avg_sq": state.exp_avg_sq.to(dev, copy=True)}
     return opt
 
 

@@ -36,8 +36,10 @@ from deltaserve.train.events import (
     StepLost,
     TrainingEvent,
     TrainingIOError,
+    TrainingStopped,
     ValidationLoss,
 )
+from deltaserve.train.lost_steps import LostSteps, TrainingFailed
 from deltaserve.train.messages import BackwardDone, BackwardJob, EvalDone, EvalJob
 from deltaserve.train.optim import OptimizerState
 from deltaserve.train.publish import PublishGuard
@@ -76,6 +78,8 @@ class Trainer:
         self.counts: Counter[str] = Counter()
         self.backward_busy_s = 0.0
         self.last_loss: float | None = None
+        self.lost = LostSteps(b.stop_after_lost_steps)
+        self.failure: TrainingFailed | None = None  # set once training gave up
         self._listeners: list[Listener] = []
         self._validation = (tuple(s.input_ids for s in validation),
                             tuple(s.labels for s in validation))
@@ -83,7 +87,10 @@ class Trainer:
 
     @property
     def has_pending(self) -> bool:
-        """Samples captured or in the backward but not yet committed, or a validation owed."""
+        """Samples captured or in the backward but not yet committed, or a validation owed
+        (none once training gave up: nothing more will be trained)."""
+        if self.failure is not None:
+            return self.backward.busy
         return self.book.has_ready or self.backward.busy or self._validation_due is not None
 
     def step(self, plan: AdmissionPlan, rows: TrainingRows, abortable: bool,
@@ -102,7 +109,7 @@ class Trainer:
     def maybe_launch(self, force: bool = False) -> None:
         """Submit the ready samples as one optimizer step once they fill a backward batch (or
         nothing more can be admitted, or ``force``), unless a failed write holds training."""
-        if self.backward.busy:
+        if self.backward.busy or self.failure is not None:
             return
         if self._validation_due is not None:  # before the next step changes the adapter
             self.backward.submit(EvalJob(self._validation_due, *self._validation))
@@ -134,9 +141,22 @@ class Trainer:
         rolled = "; the half-published step was rolled back" if outcome.rolled_back else ""
         self._emit(StepLost(time.monotonic(), outcome.job.step, len(outcome.job.samples),
                             outcome.reason + rolled))
+        failure = self.lost.lost(outcome.job.step, outcome.reason, outcome.process_died)
+        if failure is not None and self.failure is None:
+            self._give_up(failure)
+
+    def _give_up(self, failure: TrainingFailed) -> None:
+        """Stop training for good: no more jobs (the captured samples go back to the pool);
+        the facade admits no more samples once it hears :class:`TrainingStopped`."""
+        self.failure = failure
+        self.book.release_ready()
+        self._validation_due = None
+        logger.error("%s", failure)
+        self._emit(TrainingStopped(time.monotonic(), failure.reason, failure.lost_steps))
 
     def _commit(self, ev: BackwardDone) -> None:
         epoch = self.book.commit(ev.sample_ids)
+        self.lost.committed()
         self.optimizer_steps = ev.step + 1
         self.last_loss = ev.loss
         if self._publish is not None:
@@ -212,7 +232,8 @@ class Trainer:
     def drain(self, timeout_s: float) -> None:
         """Train every captured sample now (a partial last batch included) and wait. Raises
         ``TimeoutError`` after ``timeout_s`` (a hung backward); what it had not committed stays
-        uncommitted, to be trained again after a resume. Stops early while a write fails."""
+        uncommitted, to be trained again after a resume. Stops early while a write fails.
+        Raises :class:`TrainingFailed` once training gave up (nothing more can be trained)."""
         deadline = time.monotonic() + timeout_s
         while self.has_pending and not self.checkpointer.blocked:
             left_s = deadline - time.monotonic()
@@ -222,6 +243,8 @@ class Trainer:
             self.maybe_launch(force=True)
             for outcome in self.backward.wait(left_s):
                 self._handle(outcome)
+        if self.failure is not None:
+            raise self.failure
 
     def close(self, *, drain: bool, checkpoint: bool, timeout_s: float) -> None:
         """Finish (or return) captured samples, stop the process, resolve the job it had in

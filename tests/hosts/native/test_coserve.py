@@ -304,3 +304,50 @@ def test_detach_while_the_loop_serves(tiny):
     assert [eng.pop_finished(i).output_token_ids for i in ids] == base
     totals = eng.request_counters.totals()
     assert totals.finished == 30 and totals.output_tokens == 30 * 6
+
+
+def test_a_backward_that_fails_every_job_stops_training_and_inference_goes_on(tiny, caplog):
+    """Samples with no response token make every backward job raise (nothing to learn from).
+    After ``stop_after_lost_steps`` such losses the co-server says why, loudly (a typed error,
+    one log line per distinct reason with a running count, the count by kind in its stats),
+    admits nothing more, and requests are served exactly as without it."""
+    from deltaserve.core.data import IGNORE_INDEX, TrainingSample
+    from deltaserve.train.lost_steps import TrainingFailed
+
+    ps = prompts(12, seed=9)
+    params = SamplingParams(max_tokens=6)
+    base = [o.output_token_ids for o in replay(engine(tiny), ps, 0.002, params)]
+    broken = [TrainingSample(s.sample_id, s.input_ids, tuple([IGNORE_INDEX] * s.num_tokens))
+              for s in fx.samples(20)]
+    eng = engine(tiny)
+    co = eng.attach(dataset=broken, slo=SLOConfig(5.0, 5.0), calibration=SMALL_CAL,
+                    progress=False, lora=LoRAConfig(r=4, alpha=8),
+                    backward=BackwardConfig(batch_tokens=32, stop_after_lost_steps=3))
+    rec = fx.Recorder(co)
+    try:
+        with caplog.at_level("WARNING", logger="deltaserve"):
+            deadline = time.monotonic() + 120
+            while co.failure is None and time.monotonic() < deadline:
+                if not eng.step():
+                    co.idle(timeout_s=0.05)
+        assert isinstance(co.failure, TrainingFailed)
+        assert "no response tokens" in co.failure.reason and co.failure.lost_steps == 3
+        with pytest.raises(TrainingFailed, match="no response tokens"):
+            co.raise_if_failed()
+        stats = co.stats()
+        assert stats.backward_failures == 3 and stats.optimizer_steps == 0
+        assert stats.steps_lost == {"ValueError": 3}
+        kinds = [type(e).__name__ for e in rec.events]
+        assert kinds == ["StepLost"] * 3 + ["TrainingStopped"]
+        lost_lines = [r.getMessage() for r in caplog.records
+                      if r.levelname == "WARNING" and "lost" in r.getMessage()]
+        assert len(lost_lines) == 2  # the first with its traceback, then the count at 2
+        assert "Traceback" in lost_lines[0] and "2 times so far" in lost_lines[1]
+        assert any(r.levelname == "ERROR" and "fine-tuning stopped" in r.getMessage()
+                   for r in caplog.records)
+        admitted = stats.ft_tokens_admitted
+        outs = replay(eng, ps, 0.002, params)  # inference goes on, untouched
+        assert [o.output_token_ids for o in outs] == base
+        assert not co.wants_step() and co.stats().ft_tokens_admitted == admitted
+    finally:
+        eng.detach(drain=False, checkpoint=False)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.hosts.native.attention import KVCache
+from deltaserve.model.attention import attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel
 
 
@@ -111,9 +112,11 @@ class DecodeGraphs:
             return 0
         self._reset_padding(0)
         self._pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.batch_sizes):
-            for w in reversed(self.widths):
-                self._capture(b, w)
+        # a graph replays the kernels chosen at capture: capture under the attention policy
+        with attention_kernels(self.input_ids.device):
+            for b in reversed(self.batch_sizes):
+                for w in reversed(self.widths):
+                    self._capture(b, w)
         return len(self._graphs)
 
     def _capture(self, b: int, w: int) -> None:
@@ -157,7 +160,7 @@ class DecodeGraphs:
         if graph is None:
             if self.capture_graphs:
                 raise RuntimeError(f"bucket {key} was not captured (call capture_all first)")
-            with torch.no_grad():
+            with torch.no_grad(), attention_kernels(dev):
                 return self._forward(b, w)[:n]
         graph.replay()
         return self._outputs[key][:n]

@@ -26,6 +26,7 @@ from deltaserve.hosts.native.cuda_graphs import DecodeGraphs
 from deltaserve.hosts.native.request import Request
 from deltaserve.hosts.native.sampler import Sampler
 from deltaserve.hosts.native.scheduler import ScheduledBatch
+from deltaserve.model.attention import attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel, MlpHook
 from deltaserve.model.lora import AdapterWeights, LoRAGroup, training_group
 from deltaserve.train.capture import StepAborted
@@ -84,12 +85,13 @@ class ModelRunner:
         they run on (default: the installed training adapter)."""
         if training is not None and not training.rows.num_samples:
             training = None
-        if training is None and self.mode_for(batch) is ExecMode.GRAPH:
-            result = self._run_graph(batch)
-        else:
-            adapter = train_adapter or self.train_adapter
-            assert training is None or adapter is not None, "no training adapter installed"
-            result = self._run_eager(batch, training, adapter)
+        with attention_kernels(self.device):
+            if training is None and self.mode_for(batch) is ExecMode.GRAPH:
+                result = self._run_graph(batch)
+            else:
+                adapter = train_adapter or self.train_adapter
+                assert training is None or adapter is not None, "no training adapter installed"
+                result = self._run_eager(batch, training, adapter)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return result

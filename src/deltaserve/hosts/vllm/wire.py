@@ -25,13 +25,15 @@ from deltaserve.train.events import (
     StepLost,
     TrainingEvent,
     TrainingIOError,
+    TrainingStopped,
     ValidationLoss,
 )
 
 CALIBRATIONS = ("quick", "full")
 _EVENTS: dict[str, type[TrainingEvent]] = {
     cls.__name__: cls
-    for cls in (OptimizerStep, ValidationLoss, StepLost, CheckpointSaved, TrainingIOError)}
+    for cls in (OptimizerStep, ValidationLoss, StepLost, TrainingStopped, CheckpointSaved,
+                TrainingIOError)}
 
 
 class State(StrEnum):

@@ -104,10 +104,11 @@ class SystemScore:
                   "hardware_share": asdict(self.share),
                   "padded_token_efficiency": self.padded_token_efficiency,
                   "drained_s": self.drained_s, "repeats": max(1, len(self.runs))})
-        if len(self.runs) > 1:
-            doc["range"] = {k: list(r) for k in self.metrics.as_json()
-                            if (r := self.spread(k)) is not None}
-            doc["runs"] = [m.as_json() for m in self.runs]
+        if len(self.runs) > 1:  # the range of the rounded figures ``runs`` lists
+            runs = [m.as_json() for m in self.runs]
+            doc["range"] = {k: [min(vs), max(vs)] for k in runs[0]
+                            if (vs := [r[k] for r in runs if r[k] is not None])}
+            doc["runs"] = runs
         return doc
 
 

@@ -178,6 +178,10 @@ def summary(doc: dict) -> str:
     if e2e and PILOT in systems:
         parts.append("End-to-end latency ÷ inference-only's, mean / p95: " + "; ".join(e2e)
                      + ".")
+    acc = doc.get("heldout_accuracy")
+    if acc:
+        parts.append(f"Held-out exact match of the adapter {acc['system']} trained: "
+                     f"{_pct(acc['before'])} before, {_pct(acc['after'])} after.")
     verdict = doc["slo_binding"]["verdict"]
     parts.append(f"Verdict: {verdict[:1].upper()}{verdict[1:]}.")
     return " ".join(parts) + "\n"

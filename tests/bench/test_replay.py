@@ -74,3 +74,13 @@ def test_prompt_source_cuts_exact_lengths_and_wraps():
     assert src.prompt(0, 10) == list(range(10))
     long = src.prompt(3, 250)
     assert len(long) == 250 and long[:2] == [(3 * 7919) % 100, (3 * 7919) % 100 + 1]
+
+
+def test_the_loop_runs_until_the_window_closes_after_the_requests_drained():
+    trace = from_arrivals("t", [0.0, 0.05], [5, 5], [2, 2], 0.1, "test")
+    host = FakeHost()
+    res = replay(host, trace, PromptSource(list(range(100))), min_wall_s=1.0, progress=False)
+    # every request drained within about 0.1 s; the loop (and training in it) ran on to 1 s
+    last = max(r.token_times_s[-1] for r in res.records)
+    assert res.drained_s == pytest.approx(last - res.start_s)
+    assert res.wall_s >= 1.0 and not res.timed_out

@@ -8,6 +8,7 @@ from deltaserve.bench.replay import ReplayResult
 from deltaserve.bench.score import (
     binding,
     comparisons,
+    e2e_vs_inference_only,
     harvest_base,
     pooled_online_mape,
     score_run,
@@ -93,3 +94,54 @@ def test_comparisons_are_ft_ratios_with_both_attainments():
     assert (c.system, c.baseline) == ("deltaserve", "llmstation")
     assert c.ft_ratio == pytest.approx(4.0)
     assert (c.system_attainment, c.baseline_attainment) == (1.0, 0.0)
+
+
+# ---- one window for every system -----------------------------------------------------------
+
+# the same pilot, its idle capacity counted over a 12 s window (trace 10 s + 2 s drain): its
+# steps (4 s on both cores) are all inside, so 2 × 12 − 8 = 16 idle core-seconds
+WINDOWED = harvest_base(PILOT, standalone_tokens_per_s=100.0, window_s=12.0)
+
+
+def test_windowed_base_charges_the_idle_capacity_over_the_window():
+    assert WINDOWED.idle.idle_core_s == 16.0 and WINDOWED.window_s == 12.0
+    j = WINDOWED.as_json()
+    assert j["window_s"] == 12.0 and j["pilot_wall_s"] == 10.0 and j["total_core_s"] == 24.0
+
+
+def test_a_run_that_drains_later_gains_nothing_but_is_scored_on_every_request():
+    commits = [Commit(103.0, 300, 3, 300), Commit(111.0, 300, 3, 300)]  # both in [100, 112]
+    prompt = run(SPECS["deltaserve"], OK, commits, wall=11.0)
+    # the same commits, then more training in a tail the prompt run does not have, and its
+    # requests late enough to miss
+    late = run(SPECS["greedy"], LATE, [*commits, Commit(115.0, 900, 9, 900)], wall=20.0)
+    a, b = (score_run(r, SLO, WINDOWED) for r in (prompt, late))
+    assert a.metrics.ft_tokens_in_window == b.metrics.ft_tokens_in_window == 600
+    assert a.metrics.ft_tokens_per_s == b.metrics.ft_tokens_per_s == 50.0  # 600 / 12 s
+    assert a.harvest.ratio == b.harvest.ratio == pytest.approx(600 / (16 * 50))
+    assert (a.metrics.slo_attainment, b.metrics.slo_attainment) == (1.0, 0.0)
+    assert b.metrics.completed_requests == 10
+    # the last token (request 9's, at 9 + 2.1 on the records' clock) from the replay's start
+    assert b.drained_s == pytest.approx(9 + 2.1 - 100.0)
+
+
+def test_inference_only_harvests_zero_in_the_window():
+    s = score_run(PILOT, SLO, WINDOWED)
+    assert s.harvest.ratio == 0.0 and s.metrics.ft_tokens_in_window == 0
+
+
+def test_split_pool_is_charged_its_core_for_the_window_not_its_own_run():
+    s = score_run(run(SPECS["split-pool"], OK, [Commit(105.0, 600, 6, 600)],
+                      HardwareShare(2, 1, 1), wall=30.0), SLO, WINDOWED)
+    assert s.harvest.reserved_core_s == 12.0
+    assert s.harvest.ratio == pytest.approx(600 / ((16 + 12) * 50))
+
+
+def test_e2e_latency_against_inference_only():
+    # OK: every request's last token 0.2 s after arrival; LATE: 2.1 s
+    sc = scores(deltaserve=LATE)
+    ratios = e2e_vs_inference_only(sc)
+    assert ratios["inference-only"] == (pytest.approx(1.0), pytest.approx(1.0))
+    assert ratios["deltaserve"] == (pytest.approx(2.1 / 0.2), pytest.approx(2.1 / 0.2))
+    assert e2e_vs_inference_only({"deltaserve": sc["deltaserve"]}) == {
+        "deltaserve": (None, None)}

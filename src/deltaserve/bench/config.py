@@ -36,7 +36,13 @@ class BenchConfig:
     committed runs live in ``results/{date}-{host}-{trace}``).
     ``latency_holdout_every``: every k-th step the latency model observes is predicted but never
     learned from (the held-apart error set; 0: none). ``latency_error_min_ms``: steps shorter
-    than this are left out of the latency model's error (timer noise dominates them)."""
+    than this are left out of the latency model's error (timer noise dominates them).
+
+    ``drain_s``: the window every system's fine-tuning is counted in is the trace's duration
+    plus this, the same for every system (a replay runs, and trains, until the window closes;
+    a system whose requests drain later is still scored on all of them). ``repeats``: every
+    system runs this many times, in interleaved order (the pilot once first, then round-robin
+    over the systems per repeat); the report gives each metric's median and range."""
 
     trace: str = "burst-light"
     systems: str = DEFAULT_SYSTEMS
@@ -67,6 +73,8 @@ class BenchConfig:
     heldout: int = 60
     latency_holdout_every: int = 10
     latency_error_min_ms: float = 20.0
+    drain_s: float = 10.0
+    repeats: int = 1
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -104,6 +112,13 @@ class BenchConfig:
         require(self.standalone_seconds > 0, "standalone_seconds", self.standalone_seconds,
                 "must be > 0")
         require(self.heldout >= 0, "heldout", self.heldout, "must be >= 0")
+        require(math.isfinite(self.drain_s) and self.drain_s >= 0, "drain_s", self.drain_s,
+                "must be >= 0")
+        require(self.repeats >= 1, "repeats", self.repeats, "must be >= 1")
+
+    def window_s(self, trace_duration_s: float) -> float:
+        """The window every system's fine-tuning is counted in: the trace and one drain."""
+        return trace_duration_s + self.drain_s
 
     @property
     def slo_scales(self) -> tuple[float, ...]:

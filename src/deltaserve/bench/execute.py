@@ -105,9 +105,13 @@ def warm_up(host: BaseHost, prompts: PromptSource) -> None:
 
 
 def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
-               slo_scale: float | None) -> SystemRun:
+               slo_scale: float | None, *, label: str | None = None, tag: str = ""
+               ) -> SystemRun:
     """Replay the trace against ``spec``; a co-serving system admits under ``slo``
-    (``slo_scale``: its scale, recorded; None for a system that ignores the SLO)."""
+    (``slo_scale``: its scale, recorded; None for a system that ignores the SLO). The replay
+    runs, and trains, until the scoring window (the trace's duration plus ``drain_s``) closes.
+    ``label``: the run's name in logs and checkpoints (default: the system's and its scale);
+    ``tag``: appended to it (a repeat's number)."""
     cfg, threads = inputs.cfg, inputs.threads
     share = hardware_share(cfg, spec, threads)
     host = make_host(cfg, share.host)
@@ -115,8 +119,10 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
     lm = HoldoutLatencyModel.load(inputs.lm_paths[share.host])  # all start from one calibration
     lm.every = cfg.latency_holdout_every
     host.latency_model = lm
-    label = spec.name if slo_scale is None else f"{spec.name} @{slo_scale:g}"
-    root = inputs.work / "checkpoints" / label.replace(" @", "-")
+    if label is None:
+        label = spec.name if slo_scale is None else f"{spec.name} @{slo_scale:g}"
+    label += tag
+    root = inputs.work / "checkpoints" / label.replace(" @", "-").replace(" #", "-")
     trainer: StandaloneTrainer | None = None
     try:
         commits: list[Commit] = []
@@ -135,6 +141,7 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
                                         device=cfg.engine.device)
             trainer.start()
         result = replay(host, inputs.trace, inputs.data.prompts, label=label,
+                        min_wall_s=cfg.window_s(inputs.trace.duration_s),
                         progress=cfg.progress)
         if co is not None:  # a run whose backward lost every step is an error, not 0 tokens/s
             co.raise_if_failed()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltaserve.bench.latency_holdout import ModeError
+from deltaserve.bench.metrics import in_window
 from deltaserve.bench.replay import ReplayResult
 from deltaserve.bench.systems import SystemSpec
 
@@ -50,7 +51,9 @@ class SystemRun:
     adapter_dir: str | None = None
     train_log: str | None = None
 
-    def window_commits(self) -> list[Commit]:
-        """The commits that landed during the replay."""
+    def window_commits(self, window_s: float | None = None) -> list[Commit]:
+        """The commits that landed in the window of ``window_s`` seconds from the replay's
+        start (None: the whole replay, for a host with no fixed window)."""
         r = self.result
-        return [c for c in self.commits if r.start_s <= c.at_s <= r.end_s]
+        window = r.wall_s if window_s is None else window_s
+        return [c for c in self.commits if in_window(c.at_s, r.start_s, window)]

@@ -93,11 +93,20 @@ class ReplayResult:
     def wall_s(self) -> float:
         return self.end_s - self.start_s
 
+    @property
+    def drained_s(self) -> float | None:
+        """Seconds from the start to the last token of any request (None: no token)."""
+        last = [r.token_times_s[-1] for r in self.records if r.token_times_s]
+        return max(last) - self.start_s if last else None
+
 
 def replay(host: BaseHost, trace: Trace, prompts: PromptSource, *, label: str = "replay",
-           drain_timeout_s: float = 300.0, progress: bool = True) -> ReplayResult:
+           drain_timeout_s: float = 300.0, min_wall_s: float = 0.0,
+           progress: bool = True) -> ReplayResult:
     """Send ``trace`` to ``host`` and wait until every request finished or
-    ``drain_timeout_s`` passed after the last arrival.
+    ``drain_timeout_s`` passed after the last arrival, and in any case until ``min_wall_s``
+    after the start: the host's loop (and the training it carries) runs until the scoring
+    window closes, however early the requests drained.
 
     The engine loop runs in the calling thread and the client in a second one: torch's OpenMP
     workers belong to the thread that first ran a parallel region, and a second thread running
@@ -128,6 +137,8 @@ def replay(host: BaseHost, trace: Trace, prompts: PromptSource, *, label: str = 
             while host.has_unfinished() and time.monotonic() < deadline:
                 time.sleep(0.02)
             outcome["timed_out"] = host.has_unfinished()
+            while time.monotonic() < start + min_wall_s:
+                time.sleep(0.02)
         finally:
             outcome["end"] = time.monotonic()
             stop.set()

@@ -12,12 +12,19 @@ from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.prepare import FittedTrace
-from deltaserve.bench.score import Binding, Comparison, HarvestBase, SystemScore
+from deltaserve.bench.provenance import Provenance
+from deltaserve.bench.score import (
+    Binding,
+    Comparison,
+    HarvestBase,
+    SystemScore,
+    e2e_vs_inference_only,
+)
 from deltaserve.bench.slo import SLOChoice
 from deltaserve.core.data import DatasetReport
 from deltaserve.core.latency_model import FitQuality
 
-FORMAT = "deltaserve.bench/2"
+FORMAT = "deltaserve.bench/3"
 
 
 @dataclass(frozen=True)
@@ -30,11 +37,25 @@ class SweepPoint:
 
     def as_json(self) -> dict:
         return {"scale": self.slo.scale, "slo": asdict(self.slo),
-                "systems": {n: {"ft_tokens_per_s": s.metrics.ft_tokens_per_s,
-                                "slo_attainment": s.metrics.slo_attainment,
-                                "harvest_ratio": s.metrics.harvest_ratio,
-                                "ran_at_scale": s.slo_scale is not None}
-                            for n, s in self.scores.items()}}
+                "systems": {n: _sweep_row(s) for n, s in self.scores.items()}}
+
+
+def _sweep_row(s: SystemScore) -> dict:
+    row = {"ft_tokens_per_s": s.metrics.ft_tokens_per_s,
+           "ft_tokens_in_window": s.metrics.ft_tokens_in_window,
+           "slo_attainment": s.metrics.slo_attainment,
+           "harvest_ratio": s.metrics.harvest_ratio, "ran_at_scale": s.slo_scale is not None}
+    ranges = {k: list(r) for k in ("ft_tokens_per_s", "slo_attainment")
+              if (r := s.spread(k)) is not None}
+    return row | ({"range": ranges} if ranges else {})
+
+
+def systems_doc(scores: dict[str, SystemScore]) -> dict:
+    """Every system's score, with its end-to-end latency ÷ inference-only's (mean, p95)."""
+    e2e = e2e_vs_inference_only(scores)
+    return {n: s.as_json() | {"e2e_mean_vs_inference_only": e2e[n][0],
+                              "e2e_p95_vs_inference_only": e2e[n][1]}
+            for n, s in scores.items()}
 
 
 @dataclass(frozen=True)
@@ -63,7 +84,9 @@ class HeldoutAccuracy:
 @dataclass(frozen=True)
 class BenchResults:
     """``main``: the systems at ``slo`` (``--slo-scale``), in report order; ``sweep``: every
-    scale of ``--slo-sweep`` (empty without one)."""
+    scale of ``--slo-sweep`` (empty without one). ``window_s``: the window every system's
+    fine-tuning is counted in (``harvest.window_s``); ``provenance``: where the run came from
+    (``COMMAND`` beside ``results.json`` is generated from it)."""
 
     trace: FittedTrace
     slo: SLOChoice
@@ -79,11 +102,19 @@ class BenchResults:
     config: BenchConfig
     heldout_accuracy: HeldoutAccuracy | None = None
     wall_s: float = 0.0
+    provenance: Provenance | None = None
 
     def as_json(self) -> dict:
         t = self.trace.trace
+        prov = self.provenance.as_json() if self.provenance else {}
         return {
             "format": FORMAT,
+            "commit": prov.pop("commit", None),
+            "dirty": prov.pop("dirty", None),
+            "provenance": prov or None,
+            "window_s": self.harvest.window_s,
+            "drain_s": self.config.drain_s,
+            "repeats": self.config.repeats,
             "trace": {"name": t.name, "source": self.config.trace, "requests": len(t),
                       "duration_s": t.duration_s, "peak_rps": t.peak_rate(),
                       "mean_rps": t.mean_rate, "rate_factor": self.trace.rate_factor,
@@ -91,7 +122,7 @@ class BenchResults:
                       "length_scale": self.config.length_scale},
             "slo": asdict(self.slo) | {"text": self.slo.describe()},
             "slo_binding": self.binding.as_json(),
-            "systems": {n: s.as_json() for n, s in self.main.scores.items()},
+            "systems": systems_doc(self.main.scores),
             "comparisons": [c.as_json() for c in self.comparisons],
             "sweep": [p.as_json() for p in self.sweep],
             "harvest": self.harvest.as_json(),
@@ -106,6 +137,9 @@ class BenchResults:
         }
 
     def write(self, path: Path) -> dict:
+        """``path`` (``results.json``) and, beside it, ``COMMAND`` from the provenance."""
         doc = self.as_json()
         path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        if self.provenance is not None:
+            (path.parent / "COMMAND").write_text(self.provenance.command_text())
         return doc

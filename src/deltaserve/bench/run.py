@@ -3,8 +3,11 @@
 Order of work: calibrate the host (its latency model seeds every system), fit the trace to the
 host's capacity, run the pilot (inference-only on the whole machine) and derive the SLO from
 its p99s, measure standalone training throughput, replay the trace per system (an SLO-aware
-system once per SLO scale of a sweep), score the trained adapter on held-out examples, and
-write ``results.json``, ``report.html`` and its plots to ``--out``. Everything bulky
+system once per SLO scale of a sweep; every system ``--repeats`` times, interleaved; the scored
+inference-only row is a replay of its own, not the pilot), score every system's fine-tuning in
+one window (the trace's duration plus ``--drain-s``), score the trained adapter on held-out
+examples, and write ``results.json`` (with the run's provenance), ``COMMAND``, ``report.html``
+and its plots to ``--out``. Everything bulky
 (checkpoints, the generated data, calibrations) goes to ``<out>/work``, which ignores itself
 in git, so a results folder can be committed as it is.
 """
@@ -20,17 +23,19 @@ from pathlib import Path
 import torch
 
 from deltaserve.bench import metrics as M
+from deltaserve.bench import provenance
 from deltaserve.bench.accuracy import heldout_accuracy
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.execute import RunInputs, hardware_share, run_system
 from deltaserve.bench.outcome import SystemRun
 from deltaserve.bench.prepare import build_trace, calibrate, host_limits, load_data, log
+from deltaserve.bench.repeats import summarize
 from deltaserve.bench.report import write_report
 from deltaserve.bench.results import BenchResults, HeldoutAccuracy, Machine, SweepPoint
 from deltaserve.bench.score import HarvestBase, binding, comparisons, harvest_base, order, score_run
 from deltaserve.bench.slo import SLOChoice, derive_slo
 from deltaserve.bench.split_pool import standalone_tokens_per_s
-from deltaserve.bench.systems import PILOT, SystemSpec, parse_systems
+from deltaserve.bench.systems import SystemSpec, parse_systems
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.model.loading import load_tokenizer, resolve_model
 from deltaserve.model.random_models import is_random
@@ -38,24 +43,31 @@ from deltaserve.model.random_models import is_random
 
 @dataclass
 class Replays:
-    """Every replay of a run: the pilot, the SLO-blind systems (run once), and the SLO-aware
-    ones per scale; ``slos`` holds each scale's SLO."""
+    """Every replay of a run: the pilot (it sets the SLO and the idle capacity; it is not a
+    scored row), each SLO-blind system's repeats (inference-only's among them: a second,
+    independent replay), and each SLO-aware one's per scale; ``slos`` holds each scale's SLO."""
 
+    pilot: SystemRun
     slos: dict[float, SLOChoice]
-    once: dict[str, SystemRun]
-    by_scale: dict[float, dict[str, SystemRun]]
+    once: dict[str, list[SystemRun]]
+    by_scale: dict[float, dict[str, list[SystemRun]]]
 
-    def at(self, scale: float, name: str) -> SystemRun:
+    def at(self, scale: float, name: str) -> list[SystemRun]:
         return self.by_scale.get(scale, {}).get(name) or self.once[name]
 
+    def first(self, scale: float) -> dict[str, SystemRun]:
+        """The first repeat of every system at ``scale`` (the report's plots draw these)."""
+        names = {*self.once, *self.by_scale.get(scale, {})}
+        return {n: self.at(scale, n)[0] for n in names}
 
-def _announce(cfg: BenchConfig, run: SystemRun, slo: SLOChoice) -> None:
-    commits, r = run.window_commits(), run.result
-    m = M.compute(r.records, slo.config, r.wall_s, sum(c.num_tokens for c in commits),
+
+def _announce(cfg: BenchConfig, run: SystemRun, slo: SLOChoice, window: float) -> None:
+    commits, r = run.window_commits(window), run.result
+    m = M.compute(r.records, slo.config, window, sum(c.num_tokens for c in commits),
                   len(commits), None)
-    log(cfg, f"{run.spec.name}: {m.ft_tokens_per_s:.1f} FT tokens/s, SLO attainment "
-             f"{m.slo_attainment:.1%}, TTFT p99 {m.ttft_p99_ms or 0:.0f} ms, TPOT p99 "
-             f"{m.tpot_p99_ms or 0:.0f} ms")
+    log(cfg, f"{run.spec.name}: {m.ft_tokens_per_s:.1f} FT tokens/s in the {window:.0f} s "
+             f"window, SLO attainment {m.slo_attainment:.1%}, TTFT p99 {m.ttft_p99_ms or 0:.0f} "
+             f"ms, TPOT p99 {m.tpot_p99_ms or 0:.0f} ms, drained at {r.drained_s or 0:.0f} s")
 
 
 def _slos(cfg: BenchConfig, pilot: SystemRun) -> dict[float, SLOChoice]:
@@ -68,36 +80,44 @@ def _slos(cfg: BenchConfig, pilot: SystemRun) -> dict[float, SLOChoice]:
 
 
 def replay_all(inputs: RunInputs, specs: tuple[SystemSpec, ...]) -> Replays:
-    """The pilot first (the SLO comes from it), then every system at the main scale, then the
-    SLO-aware systems at the sweep's other scales."""
+    """The pilot once first (the SLO and the idle capacity come from it), then ``repeats``
+    rounds; each round runs every system once at the main scale, inference-only included (its
+    scored row is this second replay, not the pilot), then the SLO-aware systems at the sweep's
+    other scales. Interleaving the rounds spreads slow drifts of the machine over every
+    system alike."""
     cfg = inputs.cfg
-    pilot = run_system(inputs, specs[0], None, None)
+    pilot = run_system(inputs, specs[0], None, None, label="pilot")
     slos = _slos(cfg, pilot)
-    reps = Replays(slos, {PILOT: pilot}, {s: {} for s in slos})
-    for scale in sorted(slos, key=lambda s: s != cfg.slo_scale):
-        for spec in specs[1:]:
-            if spec.slo_aware:
-                run = reps.by_scale[scale][spec.name] = run_system(
-                    inputs, spec, slos[scale].config, scale)
-            elif scale == cfg.slo_scale:
-                run = reps.once[spec.name] = run_system(inputs, spec, slos[scale].config, None)
-            else:
-                continue
-            _announce(cfg, run, slos[scale])
+    reps = Replays(pilot, slos, {}, {s: {} for s in slos})
+    window = cfg.window_s(inputs.trace.duration_s)
+    for k in range(cfg.repeats):
+        tag = f" #{k + 1}" if cfg.repeats > 1 else ""
+        for scale in sorted(slos, key=lambda s: s != cfg.slo_scale):
+            for spec in specs:
+                if spec.slo_aware:
+                    run = run_system(inputs, spec, slos[scale].config, scale, tag=tag)
+                    reps.by_scale[scale].setdefault(spec.name, []).append(run)
+                elif scale == cfg.slo_scale:
+                    run = run_system(inputs, spec, slos[scale].config, None, tag=tag)
+                    reps.once.setdefault(spec.name, []).append(run)
+                else:
+                    continue
+                _announce(cfg, run, slos[scale], window)
     return reps
 
 
 def _point(reps: Replays, scale: float, names: list[str], base: HarvestBase) -> SweepPoint:
     slo = reps.slos[scale]
-    return SweepPoint(slo, {n: score_run(reps.at(scale, n), slo.config, base) for n in names})
+    return SweepPoint(slo, {n: summarize([score_run(r, slo.config, base)
+                                          for r in reps.at(scale, n)]) for n in names})
 
 
 def _accuracy(cfg: BenchConfig, data_heldout, reps: Replays, threads: int
               ) -> HeldoutAccuracy | None:
-    run = reps.by_scale[cfg.slo_scale].get("deltaserve")
-    if not data_heldout or run is None or is_random(cfg.engine.model):
+    runs = reps.by_scale[cfg.slo_scale].get("deltaserve")
+    if not data_heldout or not runs or is_random(cfg.engine.model):
         return None  # a random model's answers are noise: nothing to score
-    return heldout_accuracy(cfg, data_heldout, run.adapter_dir, threads, "deltaserve")
+    return heldout_accuracy(cfg, data_heldout, runs[0].adapter_dir, threads, "deltaserve")
 
 
 def out_dir(cfg: BenchConfig, today: datetime.date | None = None) -> Path:
@@ -134,7 +154,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         device=cfg.engine.device)
     log(cfg, f"standalone training on {threads} threads: {standalone:.1f} tokens/s")
     reps = replay_all(inputs, specs)
-    base = harvest_base(reps.once[PILOT], standalone)
+    base = harvest_base(reps.pilot, standalone, cfg.window_s(fitted.trace.duration_s))
+    drained = reps.pilot.result.drained_s
+    if drained is not None and base.window_s is not None and drained > base.window_s:
+        log(cfg, f"the pilot drained at {drained:.1f} s, after the {base.window_s:.0f}-s window: "
+                 f"its steps after it are not in the idle capacity (raise --drain-s)")
     names = order(specs)
     main = _point(reps, cfg.slo_scale, names, base)
     sweep = [_point(reps, s, names, base) for s in sorted(reps.slos)] if cfg.slo_sweep else []
@@ -143,9 +167,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         Machine(threads, os.cpu_count(), torch.cuda.is_available(), cfg.host, cfg.engine.model,
                 (load_start, os.getloadavg()[0])),
         lm.quality(), data.report, data.path, cfg, _accuracy(cfg, data.heldout, reps, threads),
-        time.monotonic() - t_start)
+        time.monotonic() - t_start, provenance.collect())
     doc = results.write(out / "results.json")
-    write_report(out, results, reps.by_scale[cfg.slo_scale] | reps.once)
+    write_report(out, results, reps.first(cfg.slo_scale))
     log(cfg, f"{results.binding.verdict}")
     log(cfg, f"wrote {out / 'results.json'} and {out / 'report.html'} in {results.wall_s:.0f} s")
     return doc

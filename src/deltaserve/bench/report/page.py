@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 from deltaserve.bench.tables import COLUMNS, system_row
 
-HARVEST_TEXT = """Harvest ratio, in core-seconds (device-seconds on a GPU): fine-tuning tokens the
-system committed ÷ ((the pilot's idle core-seconds + the core-seconds the system reserved for
-training all run) × the standalone trainer's tokens per core-second). Cores are the machine's
+HARVEST_TEXT = """Harvest ratio, in core-seconds (device-seconds on a GPU), over the one window
+every system is scored in: fine-tuning tokens the system committed in it ÷ ((the pilot's idle
+core-seconds in it + the core-seconds the system reserved for training in it) × the standalone
+trainer's tokens per core-second). Cores are the machine's
 threads. The pilot (inference-only on every core) scores 0 by construction. 1 means the system
 trained as much as a standalone trainer could have in the capacity charged to it. Above 1 means
 it trained more than that: training rows rode inside inference steps at a marginal cost below a
@@ -78,6 +79,26 @@ def _sweep_html(doc: dict) -> str:
               'against each scale\'s SLO.</p><img src="sweep.png">')
 
 
+def _window_text(doc: dict) -> str:
+    w = doc.get("window_s")
+    if w is None:
+        return "each system's own replay"
+    return (f"one {w:.0f}-s window, the same for every system (the trace and a "
+            f"{doc['drain_s']:g}-s drain; later commits do not count, every request's latency "
+            f"does)")
+
+
+def _provenance_html(doc: dict) -> str:
+    p = doc.get("provenance")
+    if not p:
+        return ""
+    versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
+    dirty = {True: " with uncommitted changes", False: "", None: ""}[doc.get("dirty")]
+    return (f"<p>Run at commit <code>{html.escape(str(doc.get('commit')))}</code>{dirty}: "
+            f"<code>{html.escape(' '.join(p['argv']))}</code>; {html.escape(versions)}; "
+            f"{p['cores']} cores, GPU {html.escape(str(p['gpu']))}.</p>")
+
+
 def page(doc: dict, images: list[str]) -> str:
     t, slo = doc["trace"], doc["slo"]
     h = doc["harvest"]
@@ -111,14 +132,16 @@ lengths ×{t['length_scale']}). Model {html.escape(doc['machine']['model'])} on 
 <p>Definitions: a request meets its SLO when its TTFT (from its scheduled arrival) and its
 longest gap between tokens are within the objectives; a system meets the SLO at ≥ 99 %
 attainment; TPOT p99 is the 99th percentile of that longest gap; fine-tuning throughput counts
-tokens the backward committed during the replay.</p>
+tokens the backward committed in {_window_text(doc)}; end-to-end latency runs from a
+request's scheduled arrival to its last token.</p>
 <p>{HARVEST_TEXT} Here: {h['cores']} cores, the pilot left {h['idle_core_s']:.1f} of
-{h['cores'] * h['pilot_wall_s']:.1f} core-seconds idle; standalone training
+{h.get('total_core_s', h['cores'] * h['pilot_wall_s']):.1f} core-seconds idle; standalone training
 {h['standalone_tokens_per_s']:.1f} tokens/s on {h['standalone_cores']} cores.</p>
 {_padding_text(doc)}
 <p>{LATENCY_TEXT.format(k=k, min_ms=doc['config']['latency_error_min_ms'])}</p>
 {_table(('system', 'mode', 'online MAPE (steps)', 'held-out MAPE (steps)'), _latency_rows(doc))}
 {_sweep_html(doc)}
 <h2>Start-up calibration</h2><ul>{cal}</ul>
+{_provenance_html(doc)}
 {''.join(f'<h2>{html.escape(i[:-4])}</h2><img src="{i}">' for i in images)}
 </body></html>"""

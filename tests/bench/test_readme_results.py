@@ -1,12 +1,15 @@
-"""The README's results are the committed runs' ``results.json``, rendered, and its prose
+"""The documents' results are the committed runs' ``results.json``, rendered, and the prose
 around them states no figure the files do not hold.
 
 Each block between ``<!-- results: PATH -->`` and ``<!-- /results -->`` (a table) or
 ``<!-- results-summary: PATH -->`` and ``<!-- /results-summary -->`` (the run's figures as
-prose) must equal what ``python -m deltaserve.bench.tables`` renders from PATH;
-``--update README.md`` rewrites them. Outside the blocks, in the sections on measured runs,
-every percentage, millisecond and tokens/s figure must be one the results the paragraph names
-(or, naming none, one of the README's runs) hold, to the written precision.
+prose), PATH relative to the document's folder, must equal what
+``python -m deltaserve.bench.tables`` renders from PATH; ``--update FILE`` rewrites them.
+Outside the blocks, in the sections on measured runs (README.md's headline, docs/results.md's
+measured sections, docs/log.md's entries on measured runs), every percentage, millisecond and
+tokens/s figure must be one the results the paragraph names hold, to the written precision;
+a paragraph naming none is checked against the document's own blocks, or in a document
+without blocks against every committed run.
 """
 
 import json
@@ -18,25 +21,38 @@ import pytest
 
 from deltaserve.bench.tables import BLOCK, blocks
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTIONS = ("## Results on this machine", "### Measured on SGLang")
+ROOT = Path(__file__).resolve().parents[2]
+WITH_BLOCKS = ("README.md", "docs/results.md")  # each must hold blocks: no vacuous pass
+# document -> headings of its sections on measured runs (a section ends at the next "## ")
+SECTIONS = {
+    "README.md": ("## The headline run",),
+    "docs/results.md": ("## Measured on this machine", "## Measured on SGLang"),
+    "docs/log.md": ("## 2026-12-04: SGLang reads", "## 2026-12-04: why `--slo-scale`",
+                    "## 2026-12-04: four fixes", "## 2026-12-03: the yields"),
+}
 FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?) ?(%|ms\b|tokens/s)")
 FOLDER = re.compile(r"results/([\w.-]+)/")
 
 
-def test_readme_results_blocks_match_their_committed_results():
-    found = blocks(README)  # a block naming a missing file fails here (FileNotFoundError)
-    if not found:
-        pytest.skip("README.md has no '<!-- results: PATH -->' block yet: nothing to check "
-                    "(commit a run's results.json and add its block)")
+def test_every_markdown_file_with_blocks_is_checked():
+    holding = {str(p.relative_to(ROOT)) for p in [ROOT / "README.md", *ROOT.glob("docs/*.md")]
+               if BLOCK.search(p.read_text())}
+    assert holding == set(WITH_BLOCKS)
+
+
+@pytest.mark.parametrize("name", WITH_BLOCKS)
+def test_results_blocks_match_their_committed_results(name):
+    found = blocks(ROOT / name)  # a block naming a missing file fails here (FileNotFoundError)
+    assert found, f"{name} has no '<!-- results: PATH -->' block"
     for b in found:
-        assert b.matches, (f"README block for {b.path} differs from its results.json; run "
-                           f"python -m deltaserve.bench.tables --update README.md")
+        assert b.matches, (f"{name} block for {b.path} differs from its results.json; run "
+                           f"python -m deltaserve.bench.tables --update {name}")
 
 
-def test_every_run_with_a_table_has_its_figures_generated_as_prose():
+@pytest.mark.parametrize("name", WITH_BLOCKS)
+def test_every_run_with_a_table_has_its_figures_generated_as_prose(name):
     kinds: dict[str, set[str]] = {}
-    for m in BLOCK.finditer(README.read_text()):
+    for m in BLOCK.finditer((ROOT / name).read_text()):
         kinds.setdefault(m["path"], set()).add(m["kind"])
     tables = {p for p, k in kinds.items() if "" in k}
     # the simulated runs' prose is the simulator's report (paper.md), not checked here
@@ -65,20 +81,37 @@ def _held(value: float, unit: str, numbers: list[float]) -> bool:
 
 
 def _section(text: str, head: str) -> str:
-    start = text.index(head)
+    start = text.index(head)  # a renamed heading fails here rather than skipping its checks
     end = text.find("\n## ", start + len(head))
     return text[start:end if end >= 0 else None]
 
 
-def test_prose_figures_outside_the_blocks_are_in_the_results_they_name():
-    text = README.read_text()
-    runs = sorted({m["path"] for m in BLOCK.finditer(text)})
-    unheld = []
-    for head in SECTIONS:
+def _figures(name: str) -> tuple[list[tuple[str, str]], int]:
+    """The figures outside the blocks of ``name``'s measured sections that no results they
+    name hold, and how many figures were read."""
+    path = ROOT / name
+    text = path.read_text()
+    runs = sorted({(path.parent / m["path"]).resolve() for m in BLOCK.finditer(text)})
+    runs = runs or sorted(ROOT.glob("results/*/results.json"))
+    unheld, read = [], 0
+    for head in SECTIONS[name]:
         for para in BLOCK.sub("", _section(text, head)).split("\n\n"):
-            paths = [f"results/{f}/results.json" for f in FOLDER.findall(para)] or runs
-            numbers = [x for p in paths if (README.parent / p).is_file()
-                       for x in _leaves(json.loads((README.parent / p).read_text()))]
-            unheld += [(m[0], para[:60]) for m in FIGURE.finditer(para)
+            named = [ROOT / "results" / f / "results.json" for f in FOLDER.findall(para)]
+            numbers = [x for p in (named or runs) if p.is_file()
+                       for x in _leaves(json.loads(p.read_text()))]
+            figures = list(FIGURE.finditer(para))
+            read += len(figures)
+            unheld += [(m[0], para[:60]) for m in figures
                        if not _held(float(m[1].replace(",", "")), m[2], numbers)]
-    assert not unheld, f"figures no named results.json holds: {unheld}"
+    return unheld, read
+
+
+@pytest.mark.parametrize("name", sorted(SECTIONS))
+def test_prose_figures_outside_the_blocks_are_in_the_results_they_name(name):
+    unheld, _ = _figures(name)
+    assert not unheld, f"{name}: figures no named results.json holds: {unheld}"
+
+
+def test_the_prose_check_reads_figures():
+    # the results' own prose leaves figures to the blocks; the log's history states many
+    assert _figures("docs/log.md")[1] >= 10

@@ -10,6 +10,7 @@ import pytest
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.outcome import Commit
 from deltaserve.bench.sim.config import SimBenchConfig
+from deltaserve.bench.sim.experiment import warn_late_pilot
 from deltaserve.bench.sim.score import (
     SimOutcome,
     hardware_share,
@@ -116,3 +117,13 @@ def test_without_a_pilot_commits_still_count_in_the_window():
                                                  Commit(13.0, 120, 1, 120)], 20.0),
               SLO, base).score
     assert s.metrics.ft_tokens_in_window == 120 and s.harvest.ratio is None
+
+
+def test_a_pilot_still_serving_when_the_window_closed_is_warned_of(capsys):
+    cfg = SimBenchConfig(drain_s=DRAIN_S)
+    warn_late_pilot(cfg, {"inference-only": PILOT}, WINDOW_S)  # drained at 9.2 s
+    assert capsys.readouterr().out == ""
+    late = outcome("inference-only", requests(late_s=5.0), [], 20.0)  # last token at 14.2 s
+    warn_late_pilot(cfg, {"inference-only": late}, WINDOW_S)
+    assert "the pilot drained at 14.2 simulated s, after the 12-s window" in (
+        capsys.readouterr().out)

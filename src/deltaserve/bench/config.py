@@ -14,6 +14,9 @@ from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.config import BackwardConfig
 from deltaserve.train.optim import OptimizerConfig
 
+# the drain after the trace that closes the window every system's fine-tuning is counted in
+# (seconds on the host's clock: wall time on a real host, simulated time on the simulated one)
+DRAIN_S = 10.0
 DEFAULT_SYSTEMS = ("inference-only,deltaserve,llmstation,deltaserve-pipeline,llmstation-pipeline,"
                    "greedy,split-pool")
 
@@ -73,7 +76,7 @@ class BenchConfig:
     heldout: int = 60
     latency_holdout_every: int = 10
     latency_error_min_ms: float = 20.0
-    drain_s: float = 10.0
+    drain_s: float = DRAIN_S
     repeats: int = 1
     progress: bool = True
 
@@ -112,19 +115,28 @@ class BenchConfig:
         require(self.standalone_seconds > 0, "standalone_seconds", self.standalone_seconds,
                 "must be > 0")
         require(self.heldout >= 0, "heldout", self.heldout, "must be >= 0")
-        require(math.isfinite(self.drain_s) and self.drain_s >= 0, "drain_s", self.drain_s,
-                "must be >= 0")
+        check_drain(self.drain_s)
         require(self.repeats >= 1, "repeats", self.repeats, "must be >= 1")
 
     def window_s(self, trace_duration_s: float) -> float:
         """The window every system's fine-tuning is counted in: the trace and one drain."""
-        return trace_duration_s + self.drain_s
+        return scoring_window_s(trace_duration_s, self.drain_s)
 
     @property
     def slo_scales(self) -> tuple[float, ...]:
         """The scales every SLO-aware system runs at: the sweep's and ``slo_scale`` (whose run
         is the main result), in increasing order."""
         return tuple(sorted({*parse_scales(self.slo_sweep), self.slo_scale}))
+
+
+def check_drain(drain_s: float) -> None:
+    require(math.isfinite(drain_s) and drain_s >= 0, "drain_s", drain_s, "must be >= 0")
+
+
+def scoring_window_s(trace_duration_s: float, drain_s: float) -> float:
+    """The window every system's fine-tuning is counted in, from the replay's start: the
+    trace's duration and one drain (the real and the simulated bench alike)."""
+    return trace_duration_s + drain_s
 
 
 def _check_placeholders(name: str, value: str, **fields: object) -> None:

@@ -31,8 +31,8 @@ COMPARISONS = (
 class HarvestBase:
     """The harvest's shared terms: the pilot's idle capacity and the standalone trainer's rate
     per core-second (measured on ``standalone_cores``). ``window_s``: the window every system is
-    scored over, the idle capacity's span (None: each run's own replay, for a host that replays
-    without a fixed window, the simulated one); ``pilot_wall_s``: the pilot's own wall time
+    scored over, the idle capacity's span (the real and the simulated bench both give one; None:
+    each run's own replay); ``pilot_wall_s``: the pilot's own wall time
     (None: the idle capacity's span)."""
 
     idle: M.IdleCapacity

@@ -83,3 +83,24 @@ def test_standalone_throughput_is_forward_plus_backward(hardware):
     assert steps and steps[-1].at_s <= 5.0
     rate = sum(s.num_tokens for s in steps) / steps[-1].at_s
     assert rate == pytest.approx(standalone.tokens_per_s(hardware, data, 256), rel=0.1)
+
+
+def test_a_fleet_trains_until_the_window_closes_however_early_it_drained(hardware):
+    fleet = Fleet(hardware, SimHostConfig(), 1, seed=3)
+    lm = calibrate(hardware, fleet.engines[0].limits)
+    fleet.coserve(CoServing(CoServeConfig(SLO, num_epochs=None), lm, samples(100)))
+    run = fleet.replay(trace(10, 0.1), min_end_s=8.0)  # requests over the first second
+    drained = max(r.token_times_s[-1] for r in run.requests)
+    assert not run.timed_out and all(r.finished for r in run.requests) and drained < 4.0
+    # training went on after the last token, up to the window's end
+    assert run.end_s >= 8.0 and any(c.at_s > drained + 2.0 for c in run.commits)
+    fleet.close()
+
+
+def test_an_idle_fleet_waits_out_the_window_and_is_not_timed_out(hardware):
+    run = Fleet(hardware, SimHostConfig(), 1).replay(trace(5, 0.1), min_end_s=8.0)
+    assert run.end_s == 8.0 and not run.timed_out
+    assert all(r.finished for r in run.requests)
+    # without a window the replay ends at the last token
+    bare = Fleet(hardware, SimHostConfig(), 1).replay(trace(5, 0.1))
+    assert bare.end_s == max(r.token_times_s[-1] for r in bare.requests) < 8.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from deltaserve.bench.config import DRAIN_S, check_drain, scoring_window_s
 from deltaserve.core.errors import require
 from deltaserve.hosts.sim.config import SimHostConfig
 from deltaserve.hosts.sim.fleet import Router
@@ -35,7 +36,9 @@ class SimBenchConfig:
     trace thinned to one GPU's share. ``sensitivity``: also sweep every modelled parameter over
     its range (DeltaServe, LLMStation and split-pool, each value). ``dataset``: fine-tuning
     data (default: the shared data's 5,000 Alpaca records, tokenized with the built-in model's
-    tokenizer; see docs/sim.md)."""
+    tokenizer; see docs/sim.md). ``drain_s``: the real bench's, in simulated seconds: every
+    system's fine-tuning is counted in one window, the trace's duration plus this, and the
+    simulated fleet runs (and trains) until it closes, however early its requests drained."""
 
     trace: str = "burst-light"
     systems: str = SIM_SYSTEMS
@@ -56,6 +59,7 @@ class SimBenchConfig:
     backward: BackwardConfig = field(default_factory=BackwardConfig)
     rate_scale: float = 1.0
     max_sample_tokens: int = 1024
+    drain_s: float = DRAIN_S
     ablation: bool = True
     sensitivity: bool = False
     progress: bool = True
@@ -70,3 +74,8 @@ class SimBenchConfig:
                 "must be > 0")
         require(self.max_sample_tokens >= 1, "max_sample_tokens", self.max_sample_tokens,
                 "must be >= 1")
+        check_drain(self.drain_s)
+
+    def window_s(self, trace_duration_s: float) -> float:
+        """The window every system's fine-tuning is counted in (simulated seconds)."""
+        return scoring_window_s(trace_duration_s, self.drain_s)

@@ -46,6 +46,17 @@ def _scored(setup: SimSetup, outcomes: dict[str, SimOutcome], standalone_tps: fl
     return Scored(slo, base, scores, standalone_tps)
 
 
+def warn_late_pilot(cfg: SimBenchConfig, outcomes: dict[str, SimOutcome], window_s: float
+                    ) -> None:
+    """As the real bench warns: a pilot still serving when the window closed left no idle
+    capacity after it to charge (its steps after the window are not counted)."""
+    pilot = outcomes.get(PILOT)
+    drained = pilot.run.result.drained_s if pilot else None
+    if drained is not None and drained > window_s:
+        log(cfg, f"the pilot drained at {drained:.1f} simulated s, after the {window_s:.0f}-s "
+                 f"window: its steps after it are not in the idle capacity (raise --drain-s)")
+
+
 def run_sim_bench(cfg: SimBenchConfig, data: SimData | None = None) -> dict:
     """``data``: fine-tuning samples already tokenized (default: ``cfg.dataset``'s)."""
     t0 = time.perf_counter()
@@ -60,6 +71,7 @@ def run_sim_bench(cfg: SimBenchConfig, data: SimData | None = None) -> dict:
                                              cfg.backward.batch_tokens, seed=cfg.seed)
     outcomes = run_systems(setup, sim_systems(cfg.systems), cfg.replicas, trace)
     scored = _scored(setup, outcomes, standalone_tps)
+    warn_late_pilot(cfg, outcomes, cfg.window_s(trace.duration_s))
     ablation = run_ablation(setup, trace) if cfg.ablation else None
     results = results_doc(setup, trace, scored, ablation)
     results["paper"] = paper_reference(results)

@@ -120,14 +120,17 @@ def coserve_config(setup: SimSetup, spec: SystemSpec) -> CoServeConfig:
 
 
 def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace) -> SimOutcome:
-    """``spec`` on ``replicas`` GPU groups of TP ``tp`` (split-pool: one of them trains)."""
+    """``spec`` on ``replicas`` GPU groups of TP ``tp`` (split-pool: one of them trains), run
+    until its requests finished and the scoring window closed (its training goes on to the
+    window's end however early its requests drained; later commits are not counted)."""
     cfg, hw = setup.cfg, setup.hw
+    window_s = cfg.window_s(trace.duration_s)
     serving = replicas - 1 if spec.split_pool else replicas
     fleet = Fleet(hw, replace(cfg.engine, seed=cfg.seed), serving, cfg.router, seed=cfg.seed)
     if spec.coserve:
         fleet.coserve(CoServing(coserve_config(setup, spec), setup.latency, setup.data.samples,
                                 spec.scheduler_cls, setup.allreduce_s(replicas)))
-    run = fleet.replay(trace)
+    run = fleet.replay(trace, min_end_s=window_s)
     # every replica commits its own share of a global step: its tokens and samples (packed)
     commits = [Commit(c.at_s, c.num_tokens, len(c.sample_ids), c.num_tokens)
                for c in run.commits]
@@ -137,7 +140,7 @@ def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace) -
                                              run.end_s, seed=cfg.seed)]
     fleet.close()
     share = hardware_share(spec, replicas, hw.tp)
-    return SimOutcome(system_run(spec, run, commits, share), run, hw.tp)
+    return SimOutcome(system_run(spec, run, commits, share), run, hw.tp, window_s)
 
 
 def run_systems(setup: SimSetup, specs: tuple[SystemSpec, ...], replicas: int, trace: Trace
@@ -155,9 +158,13 @@ def run_systems(setup: SimSetup, specs: tuple[SystemSpec, ...], replicas: int, t
 
 def base_of(setup: SimSetup, outcomes: dict[str, SimOutcome], standalone_tps: float
             ) -> HarvestBase:
-    """The harvest's terms from the pilot among ``outcomes`` (none: ratios stay None)."""
+    """The harvest's terms from the pilot among ``outcomes`` (none: ratios stay None), over
+    the window they were all replayed for."""
     gpus = max(o.run.share.cores for o in outcomes.values())
-    return harvest_base(outcomes.get(PILOT), standalone_tps, gpus, setup.hw.tp)
+    windows = {o.window_s for o in outcomes.values()}
+    require(len(windows) == 1, "window_s", sorted(windows),
+            "every system of one scoring must be replayed for the same window")
+    return harvest_base(outcomes.get(PILOT), standalone_tps, gpus, setup.hw.tp, windows.pop())
 
 
 def score_all(setup: SimSetup, outcomes: dict[str, SimOutcome], base: HarvestBase

@@ -3,10 +3,13 @@
 :func:`~deltaserve.bench.score.score_run`, plus what only a simulation has (its GPUs' busy time,
 the data-parallel barrier, its speed).
 
-Harvest is accounted in GPU-seconds (the bench's "cores" read as GPUs): the inference-only run's
-idle GPU-seconds (each of its steps ran on one replica's ``tp`` GPUs), plus the GPUs split-pool
-reserves for its trainer, at the standalone trainer's tokens per GPU-second (measured on one
-replica's ``tp`` GPUs).
+Every system is scored over one window, as on a real host: the trace's duration plus
+``drain_s``, in simulated seconds from the replay's start (0). Fine-tuning counts the tokens
+committed in it; the harvest is accounted in GPU-seconds over it (the bench's "cores" read as
+GPUs): the inference-only run's idle GPU-seconds in the window (each of its steps ran on one
+replica's ``tp`` GPUs; its drained tail is idle), plus the GPUs split-pool reserves for its
+trainer for the whole window, at the standalone trainer's tokens per GPU-second (measured on
+one replica's ``tp`` GPUs).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from deltaserve.hosts.sim.fleet import FleetRun
 @dataclass(frozen=True)
 class SimOutcome:
     """One system's simulated run: the bench's view (``run``) and the fleet's (``fleet``);
-    ``tp``: GPUs per replica."""
+    ``tp``: GPUs per replica; ``window_s``: the scoring window it was replayed for (simulated
+    seconds from the replay's start)."""
 
     run: SystemRun
     fleet: FleetRun
     tp: int
+    window_s: float
 
 
 def replay_result(fleet: FleetRun) -> ReplayResult:
@@ -72,14 +77,17 @@ def system_run(spec: SystemSpec, fleet: FleetRun, commits: list[Commit],
 
 
 def harvest_base(pilot: SimOutcome | None, standalone_tokens_per_s: float, gpus: int,
-                 tp: int) -> HarvestBase:
-    """The inference-only run's idle GPU-seconds. Without a pilot nothing is known to be idle
-    (and a rate of 0 leaves every ratio None)."""
+                 tp: int, window_s: float) -> HarvestBase:
+    """The inference-only run's idle GPU-seconds in the window of ``window_s`` simulated
+    seconds (a step that ends after it counts its part inside it). Without a pilot nothing is
+    known to be idle (and a rate of 0 leaves every ratio None); commits still count in the
+    window."""
     if pilot is None:
-        return HarvestBase(M.IdleCapacity(gpus, 0.0, 0.0), 0.0, tp)
+        return HarvestBase(M.IdleCapacity(gpus, 0.0, 0.0), 0.0, tp, window_s)
     r = pilot.run.result
-    idle = M.idle_capacity(r.steps, r.wall_s, pilot.run.share.cores, tp)
-    return HarvestBase(idle, standalone_tokens_per_s, tp)
+    idle = M.idle_capacity(r.steps, window_s, pilot.run.share.cores, tp,
+                           end_s=r.start_s + window_s)
+    return HarvestBase(idle, standalone_tokens_per_s, tp, window_s, r.wall_s)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ def sim_config(cfg: BenchConfig, slo: SLOConfig) -> SimBenchConfig:
         tpot_slo_ms=slo.tpot_s * 1e3, seed=cfg.seed, engine=engine, lora=cfg.lora,
         optimizer=cfg.optimizer,
         backward=replace(cfg.backward, grant_policy=GrantPolicy.PARTITION),
-        max_sample_tokens=e.max_num_batched_tokens, ablation=False, progress=False)
+        max_sample_tokens=e.max_num_batched_tokens, drain_s=cfg.drain_s, ablation=False,
+        progress=False)
 
 
 @dataclass(frozen=True)

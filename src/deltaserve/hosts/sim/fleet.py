@@ -6,7 +6,7 @@ cache, latency model (refit online from its own steps), co-server and backward. 
 replicas claim from one shared sample pool and train one adapter synchronously
 (:mod:`deltaserve.hosts.sim.dp`). Requests are routed when they arrive: ``round-robin``, or
 ``least-loaded`` (fewest unfinished requests; ties rotate). A replay ends when every request
-has finished (or ``drain_timeout_s`` after the last arrival).
+has finished (or ``drain_timeout_s`` after the last arrival), and not before ``min_end_s``.
 """
 
 from __future__ import annotations
@@ -150,8 +150,11 @@ class Fleet:
         return rank
 
     # ---- replay -----------------------------------------------------------------------------
-    def replay(self, trace: Trace, *, drain_timeout_s: float = 300.0) -> FleetRun:
-        """Send every request at its arrival time; run until all have finished."""
+    def replay(self, trace: Trace, *, drain_timeout_s: float = 300.0,
+               min_end_s: float = 0.0) -> FleetRun:
+        """Send every request at its arrival time; run until all have finished (or
+        ``drain_timeout_s`` after the last arrival), and in any case until ``min_end_s``: the
+        bench's scoring window, in which a fleet whose requests drained early still trains."""
         t0, c0 = time.perf_counter(), time.process_time()
         records = [RequestTimes(i, r.arrival_s, r.prompt_tokens, r.output_tokens)
                    for i, r in enumerate(trace.requests)]
@@ -161,10 +164,13 @@ class Fleet:
         for eng in self.engines:
             eng.kick()  # co-serving replicas start training before the first request
         last = max((r.arrival_s for r in records), default=0.0)
-        done = self.clock.run(until=lambda: self._left == 0, max_s=last + drain_timeout_s)
+        self.clock.run(until=lambda: self._left == 0 and self.clock.now() >= min_end_s,
+                       max_s=max(last + drain_timeout_s, min_end_s))
+        if self._left == 0 and self.clock.now() < min_end_s:
+            self.clock.advance_to(min_end_s)  # nothing left to run: idle until the window closes
         end = self.clock.now()
         return FleetRun(
-            records, end, not done and bool(records),
+            records, end, self._left > 0,
             [list(s) for s in self._steps], list(self.commits),
             [e.latency_model.online_error() if e.latency_model else () for e in self.engines],
             self.sync.wait_s if self.sync else 0.0, self.sync.rounds if self.sync else 0,

@@ -11,8 +11,9 @@ step::
 
 and ``co.on_arrival()`` whenever a client request arrives. Between steps an idle host asks
 ``co.wants_step()`` (a training-only step, or a backward result, is due) and otherwise lends the
-machine with ``co.idle(timeout_s)``; a host that can pause before a step may first give the
-backward ``co.yield_budget_s(view)`` seconds through ``co.yield_to_backward``.
+machine with ``co.idle(timeout_s)``; a host that can pause before a step plans it with
+:func:`plan_after_yield` instead of ``co.plan``: the backward first gets the seconds the SLOs
+leave (``co.yield_budget_s(view)``) through ``co.yield_to_backward``.
 
 Invariants every host keeps:
 
@@ -33,7 +34,8 @@ for type checkers only (the ``TYPE_CHECKING`` block).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from deltaserve.core.admission import AdmissionPlan, SchedulingView
@@ -250,3 +252,19 @@ class TrainingHost(TrainingSide, Protocol):
         ...
 
     def has_unfinished(self) -> bool: ...
+
+
+def plan_after_yield(co: CoServingHooks, view: SchedulingView, wake: threading.Event,
+                     clock: Callable[[], float]) -> TrainingStep:
+    """``co.plan(view)``, after lending the backward the machine for the priced budget
+    (``co.yield_budget_s``) when ``view.proposed`` holds inference: the one yield every host
+    that can pause before a step makes. ``wake``: set by a client arrival (it ends the yield
+    early; the host clears it before the arrivals the view already holds). ``clock``: the clock
+    of ``view.now_s``, read again after the yield (nothing the view holds changes during it:
+    arrivals reach the engine between steps)."""
+    if view.proposed.has_inference:
+        pause_s = co.yield_budget_s(view)
+        if pause_s > 0:  # the SLOs have room: the backward gets the machine first
+            co.yield_to_backward(pause_s, wake)
+            view = replace(view, now_s=clock())
+    return co.plan(view)

@@ -21,12 +21,13 @@ vllm = pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-c
 from deltaserve.core import Equation, ExecMode, SLOConfig  # noqa: E402
 from deltaserve.core.admission import AdmissionConfig  # noqa: E402
 from deltaserve.core.requests import SamplingParams  # noqa: E402
+from deltaserve.core.yield_reserve import YieldReserveConfig  # noqa: E402
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig  # noqa: E402
 from deltaserve.hosts.vllm.hidden import HiddenKind  # noqa: E402
 from deltaserve.model.loading import resolve_model  # noqa: E402
 from deltaserve.model.peft_io import load_adapter  # noqa: E402
 from deltaserve.train.checkpoint import CheckpointConfig, find_latest  # noqa: E402
-from deltaserve.train.config import BackwardConfig  # noqa: E402
+from deltaserve.train.config import BackwardConfig, GrantPolicy  # noqa: E402
 from deltaserve.train.optim import OptimizerConfig  # noqa: E402
 from tests.hosts.spies import StepLog, spy_steps  # noqa: E402
 from tests.hosts.vllm.common import (  # noqa: E402
@@ -289,3 +290,77 @@ def test_samples_vllm_does_not_take_whole_go_back_to_the_pool(host, latency):
         sched.max_num_scheduled_tokens = budget
         host.detach(drain=False, checkpoint=False)
     assert sched.hidden.live() == []  # the partly run request was retired
+
+
+class YieldSpy:
+    """The co-server's yield hooks as the host calls them: each pricing (the budget returned,
+    the SLOs' slack before the reserve, whether the backward had work) and each yield (seconds
+    asked, seconds given)."""
+
+    def __init__(self, co):
+        self.priced: list[tuple[float, float, bool]] = []
+        self.yields: list[tuple[float, float]] = []
+        price, lend = co.yield_budget_s, co.yield_to_backward
+
+        def spy_price(view):
+            budget = price(view)
+            self.priced.append((budget, co.scheduler.yield_budget_s(view), co.backward_busy))
+            return budget
+
+        def spy_lend(seconds, wake):
+            given = lend(seconds, wake)
+            self.yields.append((seconds, given))
+            return given
+
+        co.yield_budget_s, co.yield_to_backward = spy_price, spy_lend
+
+
+def serve_with_busy_backward(host, latency, slo: SLOConfig, max_yield_s: float
+                             ) -> tuple[YieldSpy, StepLog, int]:
+    """Fill the backward from training-only steps on the idle engine, then serve four requests
+    while it has work; the spy, the steps run, and the co-server's yield count."""
+    backward = BackwardConfig(batch_tokens=64, grant_policy=GrantPolicy.EXCLUSIVE,
+                              max_yield_s=max_yield_s,
+                              yield_reserve=YieldReserveConfig(min_steps=2, window=64))
+    co = host.attach(dataset=samples(host.tokenizer, 24), slo=slo, latency_model=latency,
+                     progress=False, lora=LORA, backward=backward, num_epochs=None)
+    spy, log = YieldSpy(co), StepLog(host)
+    try:
+        deadline = time.monotonic() + 300
+        while not co.backward_busy:
+            assert time.monotonic() < deadline, "the backward never started"
+            host.step()
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        ids = [host.add_request(p, params) for p in PROMPTS[:4]]
+        while host.has_unfinished():
+            assert time.monotonic() < deadline, "the requests did not finish"
+            host.step()
+        assert all(len(host.pop_finished(i).output_token_ids) == 24 for i in ids)
+        return spy, log, co.trainer.counts["yields"]
+    finally:
+        host.unsubscribe_steps(log.records.append)
+        host.detach(drain=False, checkpoint=False)
+
+
+def test_the_backward_gets_priced_yields_before_steps_when_the_slos_leave_room(host, latency):
+    """The issue #23 gap: vLLM's steps lend the backward the machine (the embedded and SGLang
+    hosts' yield), each yield the budget the co-server priced for that step, inside the SLOs'
+    slack and the longest yield; its step records say so."""
+    spy, log, yields = serve_with_busy_backward(host, latency, SLOConfig(30.0, 30.0), 0.05)
+    print(f"{yields} yields over {len(log.records)} steps; priced {len(spy.priced)}")
+    assert yields > 0 and len(spy.yields) == yields
+    lent = [b for b, _, _ in spy.priced if b > 0]
+    assert [s for s, _ in spy.yields] == lent  # each yield is the budget priced just before
+    assert all(0 < b <= min(slack, 0.05) for b, slack, busy in spy.priced if b > 0)
+    assert all(busy for b, _, busy in spy.priced if b > 0)  # only a backward with work
+    records = [r for r in log.records if r.yielded_s > 0]
+    assert len(records) == yields and all(r.shape.has_inference for r in records)
+    assert sum(r.yielded_s for r in records) == pytest.approx(sum(g for _, g in spy.yields))
+
+
+def test_no_yield_where_the_slos_leave_no_slack(host, latency):
+    """The same run with objectives already missed: the backward has work at every pricing,
+    and never gets a step's time."""
+    spy, log, yields = serve_with_busy_backward(host, latency, SLOConfig(1e-4, 1e-4), 0.05)
+    assert any(busy for _, _, busy in spy.priced)
+    assert yields == 0 and spy.yields == [] and all(r.yielded_s == 0 for r in log.records)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
-from deltaserve.core.contract import StepReport, TrainingStep
+from deltaserve.core.contract import StepReport, TrainingStep, plan_after_yield
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.base import BaseHost, ClientRequest
@@ -134,12 +134,7 @@ class LLMEngine(BaseHost):
             self._postprocess(batch, result)
             return True
         view = scheduling_view(batch, self.scheduler, time.monotonic(), mode)
-        if not batch.is_empty:
-            pause = co.yield_budget_s(view)
-            if pause > 0:  # the SLOs have room: the backward gets the machine first
-                co.yield_to_backward(pause, self._wake)
-                view = scheduling_view(batch, self.scheduler, time.monotonic(), mode)
-        step = co.plan(view)
+        step = plan_after_yield(co, view, self._wake, time.monotonic)
         if batch.is_empty and not step.rows.num_samples:
             co.observe(StepReport(step, step.plan.shape, 0.0))  # nothing ran
             return False

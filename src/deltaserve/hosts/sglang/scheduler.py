@@ -25,7 +25,6 @@ forward runs.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -40,7 +39,7 @@ from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 from sglang.srt.managers.scheduler import Scheduler
 
 from deltaserve.core.calibration import Batching, HostLimits
-from deltaserve.core.contract import CoServingHooks, StepReport, TrainingStep
+from deltaserve.core.contract import CoServingHooks, StepReport, TrainingStep, plan_after_yield
 from deltaserve.core.errors import InputError
 from deltaserve.core.shape import StepShape
 from deltaserve.hosts.sglang.hidden import HiddenRequests, streamer_class
@@ -176,13 +175,9 @@ class CoServingScheduler(Scheduler):
     def _plan(self, co: CoServingHooks, running_batch: Any, last_batch: Any) -> TrainingStep:
         clock = self.deltaserve_clock
         view = proposed_view(self, running_batch, last_batch, clock, time.monotonic())
-        if view.proposed.has_inference:
-            pause = co.yield_budget_s(view)
-            if pause > 0:  # the SLOs have room: the backward gets the machine first
-                self.deltaserve_wake.clear()
-                co.yield_to_backward(pause, self.deltaserve_wake)
-                view = dataclasses.replace(view, now_s=time.monotonic())
-        return co.plan(view)
+        # the view holds every request received so far: only later arrivals end a yield
+        self.deltaserve_wake.clear()
+        return plan_after_yield(co, view, self.deltaserve_wake, time.monotonic)
 
     def run_batch(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         planned, self._planned = self._planned, None

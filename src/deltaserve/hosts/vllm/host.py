@@ -128,6 +128,8 @@ class VLLMHost(DelegatedTraining, BaseHost):
         super().__init__(load_tokenizer(self.training.model_path), vc.model_config.max_model_len)
         link.on_step = self._record
         link.on_shutdown = self._engine_shutdown
+        # arrivals reach this host on any thread (add_request): they end a yield early
+        link.wake = self._wake
         self._loras: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)  # as vLLM's API server numbers adapters
         self._texts: dict[str, list[str]] = {}

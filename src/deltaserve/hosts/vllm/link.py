@@ -71,7 +71,11 @@ class EngineLink:
     host's timeline and inference-only refit). ``on_shutdown``: called when vLLM shuts the
     engine down (detaches the co-server, checkpointing). ``idle_wait_s``: how long an engine
     loop with no client work may lend the machine to the backward inside ``schedule()`` (0
-    where the host's own loop does it)."""
+    where the host's own loop does it). ``wake``: set by a client arrival; it ends a yield to
+    the backward before a step early. ``None`` where no arrival can reach this process while the
+    engine thread waits (the serving process: vLLM's input thread queues requests for the busy
+    loop, which is the thread that would wait), so the engine never yields there: a request
+    arriving during a yield would wait it out unpriced."""
 
     scheduler: CoServingScheduler | None = None
     runner: GPUModelRunner | None = None
@@ -85,6 +89,7 @@ class EngineLink:
     on_step: StepListener | None = None
     on_shutdown: Callable[[], None] | None = None
     idle_wait_s: float = 0.0
+    wake: threading.Event | None = None
 
     def take_forward(self) -> ForwardRecord | None:
         rec, self.last_forward = self.last_forward, None

@@ -2,8 +2,10 @@
 
 Passed to vLLM as ``scheduler_cls``. Per step (vLLM's ``EngineCore.step``):
 
-1. ``schedule()``: estimate the client batch vLLM will build (:func:`view.propose`), take the
-   co-server's :class:`~deltaserve.core.contract.TrainingStep` for it (``co.plan``), queue one
+1. ``schedule()``: estimate the client batch vLLM will build (:func:`view.propose`), lend the
+   backward the seconds the SLOs leave before it (:func:`~deltaserve.core.contract.
+   plan_after_yield`, where the link has a ``wake`` an arrival sets), take the co-server's
+   :class:`~deltaserve.core.contract.TrainingStep` for it (``co.plan``), queue one
    hidden prefill-only request per row sample of ``step.rows`` at the *end* of the waiting
    queue (clients keep priority), then let vLLM schedule. If vLLM did not take every sample
    whole (token budget, KV blocks, ``max_loras``...), the unscheduled requests are aborted now,
@@ -40,7 +42,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from deltaserve.core.contract import CoServingHooks, StepReport, TrainingStep
+from deltaserve.core.contract import CoServingHooks, StepReport, TrainingStep, plan_after_yield
 from deltaserve.core.errors import InputError
 from deltaserve.core.shape import StepShape
 from deltaserve.hosts.vllm.calibrate import CalibrationRun
@@ -169,7 +171,11 @@ class CoServingScheduler(Scheduler):
 
     def _schedule_with(self, co: CoServingHooks, throttle_prefills: bool) -> SchedulerOutput:
         view, _ = scheduling_view(self, self.hidden, self._last_token_s)
-        step = co.plan(replace(view, proposed=self._with_mode(view.proposed)))
+        view = replace(view, proposed=self._with_mode(view.proposed))
+        wake = self.link.wake
+        # the yield runs here, on the engine's thread before vLLM builds the batch: the
+        # co-server and its backward's grant live in this process (see EngineLink.wake)
+        step = co.plan(view) if wake is None else plan_after_yield(co, view, wake, time.time)
         ids = self._queue(step)
         so = super().schedule(throttle_prefills)
         ex = self._executed(so)

@@ -11,7 +11,7 @@ from deltaserve.core.latency_model import fit_from
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model import LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
-from deltaserve.train.backward_process import BackwardProcess
+from deltaserve.train.backward.process import BackwardProcess
 from deltaserve.train.capture import training_only_step
 from deltaserve.train.checkpoint import CheckpointConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig

@@ -21,24 +21,6 @@ LAYER_S = 0.001
 DECODE = StepShape(num_decode=2, kv_tokens=40)
 
 
-class StandInBackward:
-    busy = True
-    exclusive = True
-    layer_s = LAYER_S
-
-    def before_step(self, shape: StepShape) -> None:
-        pass
-
-    def after_step(self) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
-
-    def lend(self, seconds: float, wake: threading.Event) -> float:
-        return seconds
-
-
 @dataclass(frozen=True)
 class StandInStep:
     plan: AdmissionPlan
@@ -52,9 +34,25 @@ class StandInTrainer:
     optimizer_steps = 0
     last_loss = None
     backward_busy_s = 0.0
+    # the grant: a backward always in flight, exclusive, yielding at every layer
+    backward_busy = True
+    backward_exclusive = True
+    backward_layer_s = LAYER_S
 
     def __init__(self, config, book):
-        self.config, self.counts, self.backward = config, Counter(), StandInBackward()
+        self.config, self.counts = config, Counter()
+
+    def before_step(self, shape: StepShape) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def release_backward(self) -> None:
+        pass
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        return seconds
 
     def step(self, plan, rows, abortable, abort):
         return StandInStep(plan, rows)

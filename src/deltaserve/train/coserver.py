@@ -15,7 +15,7 @@ from deltaserve.core.data import TrainingSample
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
-from deltaserve.train.backward_driver import resolve_policy
+from deltaserve.train.backward.driver import resolve_policy
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import CoServeStats
 from deltaserve.train.facade import BaseCoServer

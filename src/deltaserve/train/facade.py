@@ -78,7 +78,7 @@ class BaseCoServer:
 
     @property
     def backward_busy(self) -> bool:
-        return self.trainer.backward.busy
+        return self.trainer.backward_busy
 
     # ---- the host contract (CoServingHooks) -------------------------------------------------
     def plan(self, view: SchedulingView) -> TrainingStep:
@@ -94,21 +94,21 @@ class BaseCoServer:
         if self._failure is not None:  # training gave up: the step serves inference only
             plan = AdmissionPlan((), view.proposed, None, math.nan, Skip.OFF)
         else:
-            plan = self.scheduler.plan(view, backward_running=t.backward.busy,
+            plan = self.scheduler.plan(view, backward_running=t.backward_busy,
                                        batch_room_tokens=room, reserve_s=reserve_s)
         if plan.skip is not None:
             self._skips[plan.skip.value] += 1
         if plan.sample_ids:
             self._timing["ft_tokens_admitted"] += plan.num_ft_tokens
         rows = self.book.rows(plan, self.config.lora.dropout)
-        t.backward.before_step(plan.shape)
+        t.before_step(plan.shape)
         abortable = self.config.interrupt and bool(plan.sample_ids) \
             and not plan.shape.has_inference
         return t.step(plan, rows, abortable, self._abort)
 
     def observe(self, report: StepReport) -> None:
         t = self.trainer
-        t.backward.after_step()
+        t.after_step()
         plan = report.step.plan
         upper_s = self._upper_s(report)
         if report.aborted:
@@ -141,16 +141,16 @@ class BaseCoServer:
                 and self.latency.is_calibrated and self.book.can_admit())
 
     def idle(self, timeout_s: float) -> None:
-        self.trainer.backward.release()
+        self.trainer.release_backward()
         self.trainer.poll(timeout_s)
 
     def yield_budget_s(self, view: SchedulingView) -> float:
-        b, bw = self.config.backward, self.trainer.backward
-        if not (bw.exclusive and b.yield_to_backward and bw.busy):
+        b, t = self.config.backward, self.trainer
+        if not (t.backward_exclusive and b.yield_to_backward and t.backward_busy):
             return 0.0
         # the backward stops at a layer boundary: the reserve is at least two layers
-        return self._reserve.budget_s(self.scheduler.yield_budget_s(view), 2 * bw.layer_s,
-                                      b.max_yield_s)
+        return self._reserve.budget_s(self.scheduler.yield_budget_s(view),
+                                      2 * t.backward_layer_s, b.max_yield_s)
 
     def _upper_s(self, report: StepReport) -> float | None:
         """The margin-inflated prediction of an inference step that ran whole, before the
@@ -158,8 +158,8 @@ class BaseCoServer:
         time from its start (see :meth:`plan`) to the end of :meth:`observe` (the wait for the
         backward to stop, the forward, this bookkeeping), less this. ``None`` where the host
         never yields (the reserve is not needed, and steps pay for no extra prediction)."""
-        b, bw = self.config.backward, self.trainer.backward
-        if not (bw.exclusive and b.yield_to_backward):
+        b, t = self.config.backward, self.trainer
+        if not (t.backward_exclusive and b.yield_to_backward):
             return None
         if report.aborted or not report.shape.has_inference or not self.latency.is_calibrated:
             return None
@@ -167,9 +167,9 @@ class BaseCoServer:
 
     def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
         self._due_s = self._clock() + seconds
-        given = self.trainer.backward.lend(seconds, wake)
+        given = self.trainer.lend(seconds, wake)
         self._lent_s += given
-        self._lent_reserve_s = self._reserve.reserve_s(2 * self.trainer.backward.layer_s)
+        self._lent_reserve_s = self._reserve.reserve_s(2 * self.trainer.backward_layer_s)
         self.trainer.counts["yields"] += 1
         self.trainer.poll()
         return given

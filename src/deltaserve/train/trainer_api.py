@@ -24,39 +24,6 @@ if TYPE_CHECKING:
     from deltaserve.train.samples import SampleBook
 
 
-class BackwardControl(Protocol):
-    """The grant around host steps (see :class:`deltaserve.train.config.GrantPolicy`)."""
-
-    @property
-    def busy(self) -> bool:
-        """A backward job is in flight (its outcome not yet handled)."""
-        ...
-
-    @property
-    def exclusive(self) -> bool:
-        """The backward computes only while the host waits (idle time and yields)."""
-        ...
-
-    @property
-    def layer_s(self) -> float:
-        """The backward's time per layer: the grain at which it yields."""
-        ...
-
-    def before_step(self, shape: StepShape) -> None:
-        """Take the machine back for a step that needs it."""
-        ...
-
-    def after_step(self) -> None: ...
-
-    def release(self) -> None:
-        """The host runs nothing: the backward may use the whole machine."""
-        ...
-
-    def lend(self, seconds: float, wake: threading.Event) -> float:
-        """Let the backward run for ``seconds`` or until ``wake``; the time given."""
-        ...
-
-
 class CoTrainer(Protocol):
     """Captured samples to committed optimizer steps. ``config``: the co-server's config with
     the grant policy resolved for the device; ``counts``: the facade's and the trainer's
@@ -68,8 +35,36 @@ class CoTrainer(Protocol):
     last_loss: float | None
     backward_busy_s: float  # seconds the backward has computed (a production counter)
 
+    # the grant around host steps (see :class:`deltaserve.train.config.GrantPolicy`): the
+    # co-server reaches the backward only through these
     @property
-    def backward(self) -> BackwardControl: ...
+    def backward_busy(self) -> bool:
+        """A backward job is in flight (its outcome not yet handled)."""
+        ...
+
+    @property
+    def backward_exclusive(self) -> bool:
+        """The backward computes only while the host waits (idle time and yields)."""
+        ...
+
+    @property
+    def backward_layer_s(self) -> float:
+        """The backward's time per layer: the grain at which it yields."""
+        ...
+
+    def before_step(self, shape: StepShape) -> None:
+        """Take the machine back for a step that needs it."""
+        ...
+
+    def after_step(self) -> None: ...
+
+    def release_backward(self) -> None:
+        """The host runs nothing: the backward may use the whole machine."""
+        ...
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        """Let the backward run for ``seconds`` or until ``wake``; the time given."""
+        ...
 
     @property
     def has_pending(self) -> bool:

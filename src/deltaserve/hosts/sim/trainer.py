@@ -26,9 +26,9 @@ from deltaserve.hosts.sim.backward import BackwardCost, BackwardJob
 from deltaserve.hosts.sim.clock import SimClock
 from deltaserve.hosts.sim.device import GpuTimeline, JobTiming
 from deltaserve.hosts.sim.oracle import StepNoise
+from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.config import CoServeConfig, GrantPolicy
 from deltaserve.train.events import Listener, OptimizerStep, TrainingEvent
-from deltaserve.train.messages import JobSample
 from deltaserve.train.samples import SampleBook
 
 NAN = math.nan
@@ -56,7 +56,8 @@ class SimStep:
 
 
 class SimBackward:
-    """:class:`~deltaserve.train.trainer_api.BackwardControl` over the simulated device."""
+    """The grant around host steps over the simulated device (what
+    :class:`~deltaserve.train.backward.driver.BackwardDriver` is to the real trainer)."""
 
     def __init__(self, policy: GrantPolicy, device: GpuTimeline, model: BackwardCost,
                  noise: StepNoise, tp: int):
@@ -120,6 +121,34 @@ class SimTrainer:
     @property
     def has_pending(self) -> bool:
         return self.book.has_ready or self.backward.busy
+
+    # ---- the grant around host steps: as the real trainer's -------------------------------
+    @property
+    def backward_busy(self) -> bool:
+        """A backward job is in flight (its outcome not yet handled)."""
+        return self.backward.busy
+
+    @property
+    def backward_exclusive(self) -> bool:
+        """The backward computes only while the host waits (idle time and yields)."""
+        return self.backward.exclusive
+
+    @property
+    def backward_layer_s(self) -> float:
+        """The backward's time per layer: the grain at which it yields."""
+        return self.backward.layer_s
+
+    def before_step(self, shape: StepShape) -> None:
+        self.backward.before_step(shape)
+
+    def after_step(self) -> None:
+        self.backward.after_step()
+
+    def release_backward(self) -> None:
+        self.backward.release()
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        return self.backward.lend(seconds, wake)
 
     def step(self, plan: AdmissionPlan, rows: TrainingRows, abortable: bool,
              abort: threading.Event) -> SimStep:

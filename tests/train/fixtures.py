@@ -13,7 +13,7 @@ from deltaserve.model import LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
 from deltaserve.train.backward.process import BackwardProcess
 from deltaserve.train.capture import training_only_step
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig
 from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import OptimizerStep, TrainingEvent

@@ -17,7 +17,7 @@ from deltaserve.train.backward.messages import BackwardDone, LayerDone
 from deltaserve.train.backward.process import BackwardProcess
 from deltaserve.train.backward.worker import WorkerSpec
 from deltaserve.train.capture import training_only_step
-from deltaserve.train.checkpoint import find_latest
+from deltaserve.train.checkpoint_store import find_latest
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
 

@@ -7,8 +7,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from deltaserve.core.data import IGNORE_INDEX
-from deltaserve.train.checkpoint import CheckpointConfig, CheckpointStore
-from deltaserve.train.checkpointer import Checkpointer
+from deltaserve.train.checkpoint_policy import Checkpointer
+from deltaserve.train.checkpoint_store import CheckpointConfig, CheckpointStore
 from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import OptimizerStep, ValidationLoss
 from tests.train import fixtures as fx

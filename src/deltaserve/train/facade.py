@@ -4,9 +4,9 @@ over its parts.
 * :class:`~deltaserve.train.samples.SampleBook`: pool, buffer rows, dropout seeds, ready queue;
 * :class:`~deltaserve.core.admission.AdmissionScheduler`: Algorithm 1 (or a baseline policy)
   over the latency model;
-* a :class:`~deltaserve.train.trainer_api.CoTrainer`: what trains the captured samples, built by
-  the factory the facade is given (the real :class:`~deltaserve.train.trainer.Trainer` through
-  :class:`deltaserve.train.coserver.CoServer`, or a simulated host's timed stand-in).
+* a :class:`~deltaserve.train.trainer_protocol.CoTrainer`: what trains the captured samples,
+  built by the factory the facade is given (the real :class:`~deltaserve.train.trainer.Trainer`
+  through :class:`deltaserve.train.coserver.CoServer`, or a simulated host's timed stand-in).
 
 Sample lifecycle: admitted (claimed, rows reserved) → captured (ready) → in the backward →
 committed (adapter published, rows freed). An aborted step or a lost backward job releases its
@@ -40,7 +40,7 @@ from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import CoServeStats, Listener, TrainingEvent, TrainingStopped
 from deltaserve.train.lost_steps import TrainingFailed
 from deltaserve.train.samples import SampleBook, buffer_capacity
-from deltaserve.train.trainer_api import CoTrainer, TrainerFactory
+from deltaserve.train.trainer_protocol import CoTrainer, TrainerFactory
 
 
 class BaseCoServer:

@@ -31,7 +31,7 @@ from deltaserve.train.backward.driver import BackwardDriver, BackwardOutcome
 from deltaserve.train.backward.messages import BackwardDone, BackwardJob, EvalDone, EvalJob
 from deltaserve.train.backward.worker import SharedState, WorkerSpec
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
-from deltaserve.train.checkpointer import Checkpointer
+from deltaserve.train.checkpoint_policy import Checkpointer
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import (
     Listener,

@@ -18,7 +18,7 @@ from deltaserve.model.lora import AdapterWeights
 from deltaserve.model.peft_io import load_adapter
 from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.backward.recompute import layerwise_backward
-from deltaserve.train.checkpoint import CheckpointConfig, find_latest
+from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest
 from deltaserve.train.optim import OptimizerConfig
 from tests.hosts.native.test_mixed_step_gradients import peft_grads
 from tests.hosts.sglang.common import LORA, PROMPTS, coserve, hf_greedy

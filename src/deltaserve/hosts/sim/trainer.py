@@ -1,5 +1,6 @@
-"""The simulated training half of a co-server: a :class:`~deltaserve.train.trainer_api.CoTrainer`
-whose backward is a timed stand-in on the simulated device (:mod:`deltaserve.hosts.sim.device`).
+"""The simulated training half of a co-server: a
+:class:`~deltaserve.train.trainer_protocol.CoTrainer` whose backward is a timed stand-in on the
+simulated device (:mod:`deltaserve.hosts.sim.device`).
 
 Everything above it is the real co-server (:class:`deltaserve.train.facade.BaseCoServer`):
 admission, the sample book, the grant around host steps. What this replaces is only what

@@ -14,7 +14,7 @@ from deltaserve.core.contract import StepReport, TrainingRows
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.yield_reserve import YieldReserveConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy
-from deltaserve.train.facade import BaseCoServer
+from deltaserve.train.facade import CoServer
 from tests.core.test_admission import LIMITS, MODEL, SLO
 
 LAYER_S = 0.001
@@ -41,6 +41,10 @@ class StandInTrainer:
 
     def __init__(self, config, book):
         self.config, self.counts = config, Counter()
+
+    @property
+    def steps_lost(self) -> dict[str, int]:
+        return {}
 
     def before_step(self, shape: StepShape) -> None:
         pass
@@ -93,12 +97,12 @@ def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
         grant_policy=GrantPolicy.EXCLUSIVE, threads=1, max_yield_s=max_yield_s,
         yield_reserve=reserve))
     samples = [TrainingSample(0, (1, 2, 3), (1, 2, 3))]
-    return BaseCoServer(config, LIMITS, samples, StandInTrainer,
+    return CoServer(config, LIMITS, samples, StandInTrainer,
                         latency_model=copy.deepcopy(MODEL),  # it learns from the steps
                         scheduler_cls=RecordingScheduler, clock=Clock())
 
 
-def run_step(co: BaseCoServer, seconds_past_prediction: float, waited_s: float = 0.0,
+def run_step(co: CoServer, seconds_past_prediction: float, waited_s: float = 0.0,
              planned_at_s: float = 0.0) -> None:
     """A step planned at ``planned_at_s`` that waited ``waited_s`` (for the backward to stop,
     the co-server's own bookkeeping) besides its forward, and ended ``seconds_past_prediction``

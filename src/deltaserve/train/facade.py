@@ -5,14 +5,15 @@ over its parts.
 * :class:`~deltaserve.core.admission.AdmissionScheduler`: Algorithm 1 (or a baseline policy)
   over the latency model;
 * a :class:`~deltaserve.train.trainer_protocol.CoTrainer`: what trains the captured samples,
-  built by the factory the facade is given (the real :class:`~deltaserve.train.trainer.Trainer`
-  through :class:`deltaserve.train.coserver.CoServer`, or a simulated host's timed stand-in).
+  built by the factory the co-server is given (the real :class:`~deltaserve.train.trainer.Trainer`
+  through :class:`~deltaserve.train.trainer.TorchTrainerFactory`, see :meth:`CoServer.for_model`,
+  or a simulated host's timed stand-in).
 
 Sample lifecycle: admitted (claimed, rows reserved) → captured (ready) → in the backward →
 committed (adapter published, rows freed). An aborted step or a lost backward job releases its
 samples, so each is trained exactly once per epoch. Once the training half gives up
 (:class:`~deltaserve.train.events.TrainingStopped`: every step lost), steps admit nothing more
-and the co-server serves inference alone; :meth:`BaseCoServer.raise_if_failed` says why.
+and the co-server serves inference alone; :meth:`CoServer.raise_if_failed` says why.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ from deltaserve.core.data import TrainingSample
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.pool import SamplePool
 from deltaserve.core.yield_reserve import YieldReserve
+from deltaserve.model.llama import LlamaModel
+from deltaserve.model.lora import AdapterWeights
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import CoServeStats, Listener, TrainingEvent, TrainingStopped
 from deltaserve.train.lost_steps import TrainingFailed
 from deltaserve.train.samples import SampleBook, buffer_capacity
+from deltaserve.train.trainer import Publish, TorchTrainerFactory, Trainer
 from deltaserve.train.trainer_protocol import CoTrainer, TrainerFactory
 
 
-class BaseCoServer:
+class CoServer:
     """``trainer``: builds the training half over the facade's sample book. ``pool``: a sample
     pool shared with other co-servers (data-parallel replicas claim from one pool, so every
     sample is trained once across them); by default the facade's own."""
@@ -75,6 +79,35 @@ class BaseCoServer:
         self._timing: Counter[str] = Counter()
         self._failure: TrainingFailed | None = None
         self.trainer.subscribe(self._on_training_event)
+
+    @classmethod
+    def for_model(cls, config: CoServeConfig, limits: HostLimits, model: LlamaModel,
+                  samples: Sequence[TrainingSample], *, base_model: str,
+                  latency_model: LatencyModel | None = None, publish: Publish | None = None,
+                  scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
+                  validation: Sequence[TrainingSample] = ()) -> CoServer:
+        """The co-server of a real host: the torch :class:`Trainer` over ``model``'s weights
+        (adapter, optimizer state, activation buffer, the backward process, checkpoints)."""
+        return cls(config, limits, samples,
+                   TorchTrainerFactory(model, base_model, publish, tuple(validation)),
+                   latency_model=latency_model, scheduler_cls=scheduler_cls)
+
+    @property
+    def _real(self) -> Trainer:
+        if not isinstance(self.trainer, Trainer):
+            raise TypeError(f"{type(self.trainer).__name__} trains no adapter: only a real "
+                            "host's co-server (CoServer.for_model) has one")
+        return self.trainer
+
+    @property
+    def adapter(self) -> AdapterWeights:
+        """The trained adapter (shared with the backward; published after every step)."""
+        return self._real.adapter
+
+    @property
+    def model(self) -> LlamaModel:
+        """The model whose weights the backward shares."""
+        return self._real.model
 
     @property
     def backward_busy(self) -> bool:
@@ -215,4 +248,4 @@ class BaseCoServer:
                             c["io_errors"], p.epoch, t.last_loss, dict(self._skips),
                             timing.get("ft_tokens_admitted", 0), timing.get("steps_timed", 0),
                             timing.get("predicted_s", 0.0), timing.get("measured_s", 0.0),
-                            t.backward_busy_s)
+                            t.backward_busy_s, dict(t.steps_lost))

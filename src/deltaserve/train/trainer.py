@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,7 +28,7 @@ from deltaserve.core.errors import require
 from deltaserve.core.shape import StepShape
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
-from deltaserve.train.backward.driver import BackwardDriver, BackwardOutcome
+from deltaserve.train.backward.driver import BackwardDriver, BackwardOutcome, resolve_policy
 from deltaserve.train.backward.messages import BackwardDone, BackwardJob, EvalDone, EvalJob
 from deltaserve.train.backward.worker import SharedState, WorkerSpec
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
@@ -58,6 +59,7 @@ class Trainer:
                  validation: Sequence[TrainingSample] = ()):
         device = model.weights.device
         self.config, self.book, self._publish = config, book, publish
+        self.model = model  # its weights are shared with the backward process
         self.adapter = AdapterWeights(model.config, config.lora, device=device)
         self.adapter.init_peft_(config.seed)
         self.optimizer_state = OptimizerState(self.adapter.numel)
@@ -121,6 +123,11 @@ class Trainer:
 
     def lend(self, seconds: float, wake: threading.Event) -> float:
         return self.backward.lend(seconds, wake)
+
+    @property
+    def steps_lost(self) -> dict[str, int]:
+        """Optimizer steps lost, by kind (a production counter)."""
+        return dict(self.lost.by_kind)
 
     def step(self, plan: AdmissionPlan, rows: TrainingRows, abortable: bool,
              abort: threading.Event) -> CapturingStep:
@@ -294,3 +301,21 @@ class Trainer:
             self.book.release_ready()
             if checkpoint:
                 self.save_checkpoint()
+
+
+@dataclass(frozen=True)
+class TorchTrainerFactory:
+    """Builds the real trainer over ``model``'s weights, with the grant policy resolved for the
+    device the weights live on."""
+
+    model: LlamaModel
+    base_model: str
+    publish: Publish | None = None
+    validation: tuple[TrainingSample, ...] = ()  # held-out samples, validated in the backward
+
+    def __call__(self, config: CoServeConfig, book: SampleBook) -> Trainer:
+        b = resolve_policy(config.backward, self.model.weights.device.type == "cuda",
+                           torch.get_num_threads())
+        return Trainer(replace(config, backward=b), self.model, book,
+                       base_model=self.base_model, publish=self.publish,
+                       validation=self.validation)

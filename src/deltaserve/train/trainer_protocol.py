@@ -3,7 +3,7 @@ the sample book, the grant around host steps) and whatever trains the captured s
 
 :class:`deltaserve.train.trainer.Trainer` is the real one (adapter, activation buffer, backward
 process, checkpoints); a simulated host supplies a timed stand-in on its simulated clock
-(:mod:`deltaserve.hosts.sim.trainer`). The facade (:class:`deltaserve.train.facade.BaseCoServer`)
+(:mod:`deltaserve.hosts.sim.trainer`). The facade (:class:`deltaserve.train.facade.CoServer`)
 depends on these Protocols only, so both run the same policy code.
 """
 
@@ -34,6 +34,11 @@ class CoTrainer(Protocol):
     optimizer_steps: int
     last_loss: float | None
     backward_busy_s: float  # seconds the backward has computed (a production counter)
+
+    @property
+    def steps_lost(self) -> dict[str, int]:
+        """Optimizer steps lost, by kind (empty where none can be lost)."""
+        ...
 
     # the grant around host steps (see :class:`deltaserve.train.config.GrantPolicy`): the
     # co-server reaches the backward only through these

@@ -2,7 +2,7 @@
 :class:`~deltaserve.train.trainer_protocol.CoTrainer` whose backward is a timed stand-in on the
 simulated device (:mod:`deltaserve.hosts.sim.device`).
 
-Everything above it is the real co-server (:class:`deltaserve.train.facade.BaseCoServer`):
+Everything above it is the real co-server (:class:`deltaserve.train.facade.CoServer`):
 admission, the sample book, the grant around host steps. What this replaces is only what
 computes: captures write nothing (no tensors), the backward job's time comes from
 :class:`~deltaserve.hosts.sim.backward.BackwardModel` with the oracle's per-step noise, and its
@@ -122,6 +122,11 @@ class SimTrainer:
     @property
     def has_pending(self) -> bool:
         return self.book.has_ready or self.backward.busy
+
+    @property
+    def steps_lost(self) -> dict[str, int]:
+        """A simulated backward loses no step."""
+        return {}
 
     # ---- the grant around host steps: as the real trainer's -------------------------------
     @property

@@ -44,8 +44,8 @@ from deltaserve.model.loading import load_tokenizer
 from deltaserve.train.attach import attach, detach
 from deltaserve.train.checkpoint_store import find_latest
 from deltaserve.train.config import CoServeConfig
-from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import TrainingEvent
+from deltaserve.train.facade import CoServer
 
 logger = logging.getLogger("deltaserve.vllm")
 

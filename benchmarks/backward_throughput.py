@@ -33,8 +33,8 @@ from deltaserve.model import LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_tokenizer, load_weights, resolve_dtype, resolve_model
 from deltaserve.train.capture import training_only_step
 from deltaserve.train.config import BackwardConfig, CoServeConfig
-from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import OptimizerStep
+from deltaserve.train.facade import CoServer
 from deltaserve.train.optim import OptimizerConfig
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca" / \
@@ -105,10 +105,11 @@ def backward_run(model: LlamaModel, samples: Sequence[TrainingSample], lora: LoR
     limits = HostLimits(2048, 64, 2048, 1 << 20)
     # training-only steps face no SLO; any calibrated model prices them
     lm = fit_from([(p.shape, 1e-3 + 1e-5 * p.shape.num_tokens) for p in build_plan(limits)])
-    co = CoServer(CoServeConfig(SLOConfig(1.0, 1.0), lora=lora, optimizer=opt_cfg,
-                                backward=BackwardConfig(batch_tokens=batch_tokens,
-                                                        threads=threads, buffer_save=save)),
-                  limits, model, list(samples), base_model=base, latency_model=lm)
+    config = CoServeConfig(SLOConfig(1.0, 1.0), lora=lora, optimizer=opt_cfg,
+                           backward=BackwardConfig(batch_tokens=batch_tokens, threads=threads,
+                                                   buffer_save=save))
+    co = CoServer.for_model(config, limits, model, list(samples), base_model=base,
+                            latency_model=lm)
     done: list[OptimizerStep] = []
     co.subscribe(lambda ev: done.append(ev) if isinstance(ev, OptimizerStep) else None)
     fwd_times = []

@@ -1,6 +1,7 @@
 """The rules of the codebase, measured (issue #12): layered imports with no cycles (the
 import-linter contracts in pyproject.toml), small files and functions, no function-local
-imports, and ``Any`` only where a third-party engine object has no type."""
+imports, ``Any`` only where a third-party engine object has no type, and only
+``train/backward/`` starts the backward process."""
 
 from __future__ import annotations
 
@@ -93,3 +94,63 @@ def test_the_policy_imports_no_torch(package):
         names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
         assert not [m for m in names if m.split(".")[0] == "torch"], rel(path)
+
+
+# The backward process is started in one place, the package the trainer owns: whoever else
+# spawned it would bypass the grant, the outcome handling and the rollback of a half-published
+# step that :mod:`deltaserve.train.backward` keeps together.
+BACKWARD_PACKAGE = "train/backward"
+# Modules that start a process of their own, which is not the backward, and why.
+OTHER_PROCESSES_ALLOWED = {
+    "bench/split_pool.py": "the split-pool baseline's standalone trainer process (its own "
+                           "model and optimizer, no grant): a compared system, not the backward",
+}
+PROCESS_MODULES = {"multiprocessing", "torch.multiprocessing"}
+BACKWARD_NAMES = {"BackwardProcess", "worker_main"}
+
+
+def process_starts(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where ``tree`` imports a multiprocessing module, calls ``get_context``/``Process``, or
+    names the backward's process or entry point."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names
+                      if a.name in PROCESS_MODULES or a.name.startswith("multiprocessing.")]
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            names = {a.name for a in node.names}
+            if (mod in PROCESS_MODULES or mod.startswith("multiprocessing.")
+                    or (mod == "torch" and "multiprocessing" in names)):
+                found.append((node.lineno, f"from {mod} import ..."))
+            elif names & BACKWARD_NAMES:
+                found.append((node.lineno, f"from {mod} import {sorted(names & BACKWARD_NAMES)}"))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in {"Process", "get_context"} | BACKWARD_NAMES:
+                found.append((node.lineno, f"{ast.unparse(f)}(...)"))
+    return found
+
+
+def test_only_the_backward_package_starts_the_backward_process():
+    found = []
+    for path in modules():
+        r = rel(path)
+        if r.startswith(BACKWARD_PACKAGE + "/") or r in OTHER_PROCESSES_ALLOWED:
+            continue
+        found += [f"{r}:{no}: {what}" for no, what in process_starts(ast.parse(path.read_text()))]
+    assert not found, "only train/backward/ starts processes:\n" + "\n".join(found)
+
+
+def test_the_process_rule_sees_a_backward_started_elsewhere():
+    """The rule above can fail: each way of starting the backward outside its package is seen."""
+    for source in ("import torch.multiprocessing as mp\n",
+                   "from torch import multiprocessing\n",
+                   "import multiprocessing\n",
+                   "ctx.Process(target=f)\n",
+                   "mp.get_context('spawn')\n",
+                   "from deltaserve.train.backward.process import BackwardProcess\n",
+                   "BackwardProcess(spec, shared)\n"):
+        assert process_starts(ast.parse(source)), source
+    assert not process_starts(ast.parse("from deltaserve.train.trainer import Trainer\n"))

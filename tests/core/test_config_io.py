@@ -10,7 +10,7 @@ from deltaserve.core.errors import InputError
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.buffer import BufferSave
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy
 
 

@@ -15,7 +15,7 @@ from deltaserve.core.requests import SamplingParams
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.native import EngineConfig, LLMEngine
 from deltaserve.model import LoRAConfig
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 from deltaserve.train.config import BackwardConfig
 from deltaserve.train.events import OptimizerStep, TrainingEvent
 from tests.train import fixtures as fx

@@ -11,7 +11,7 @@ import torch
 from deltaserve.core.pool import SamplePool
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
-from deltaserve.train.checkpoint import Checkpoint, CheckpointStore
+from deltaserve.train.checkpoint_store import Checkpoint, CheckpointStore
 from deltaserve.train.optim import OptimizerState
 from tests.tiny import TINY
 

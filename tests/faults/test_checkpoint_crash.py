@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from deltaserve.model import peft_io
-from deltaserve.train.checkpoint import CheckpointStore
+from deltaserve.train.checkpoint_store import CheckpointStore
 from tests.faults.states import MODEL, assert_consistent, run_of, save_step
 
 

@@ -13,7 +13,7 @@ import torch
 
 from deltaserve.core import InputError
 from deltaserve.model.peft_io import CONFIG_NAME, WEIGHTS_NAME
-from deltaserve.train.checkpoint import OPTIMIZER_NAME, STATE_NAME, CheckpointStore
+from deltaserve.train.checkpoint_store import OPTIMIZER_NAME, STATE_NAME, CheckpointStore
 from tests.faults.states import MODEL, assert_consistent, run_of, save_step
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.train.checkpoint import OPTIMIZER_NAME, CheckpointStore
+from deltaserve.train.checkpoint_store import OPTIMIZER_NAME, CheckpointStore
 from tests.faults.states import MODEL, assert_consistent, save_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from deltaserve.train.checkpoint import CheckpointStore
+    from deltaserve.train.checkpoint_store import CheckpointStore
     from tests.faults.states import save_step
 
     root, marker, stall_on = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]

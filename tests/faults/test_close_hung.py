@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltaserve.model.peft_io import load_adapter
-from deltaserve.train.checkpoint import find_latest
+from deltaserve.train.checkpoint_store import find_latest
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
 

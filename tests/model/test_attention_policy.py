@@ -11,15 +11,15 @@ from deltaserve.model import attention
 from deltaserve.model.attention import attention_kernels, sdpa_backends
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.loading import load_weights
+from deltaserve.train.backward.evaluate import validation_loss
+from deltaserve.train.backward.messages import EvalJob
+from deltaserve.train.backward.recompute import layerwise_backward
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
 from deltaserve.train.capture import forward_training_rows
-from deltaserve.train.evaluate import validation_loss
-from deltaserve.train.messages import EvalJob
-from deltaserve.train.recompute import layerwise_backward
 from tests.hosts.native.test_cuda_graphs import engine, with_static_graphs
 from tests.hosts.native.test_engine import prompts
 from tests.tiny import hf_tiny_llama
-from tests.train.test_recompute import adapter_for, capturing_step, make_samples
+from tests.train.backward.test_recompute import adapter_for, capturing_step, make_samples
 
 CUDA = torch.backends.cuda
 

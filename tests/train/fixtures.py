@@ -11,12 +11,12 @@ from deltaserve.core.latency_model import fit_from
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model import LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
-from deltaserve.train.backward_process import BackwardProcess
+from deltaserve.train.backward.process import BackwardProcess
 from deltaserve.train.capture import training_only_step
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig
-from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import OptimizerStep, TrainingEvent
+from deltaserve.train.facade import CoServer
 from deltaserve.train.optim import OptimizerConfig
 
 LIMITS = HostLimits(max_tokens_per_step=512, max_seqs_per_step=32, max_model_len=256,
@@ -56,8 +56,8 @@ def config(root=None, every=1, dropout=0.0, batch_tokens=64, buffer_tokens=None,
 
 def coserver(base_path, samples, **kw) -> CoServer:
     """A co-server (its backward process started) over the model saved at ``base_path``."""
-    return CoServer(config(**kw), LIMITS, model(base_path), samples,
-                    base_model=str(base_path), latency_model=latency_model())
+    return CoServer.for_model(config(**kw), LIMITS, model(base_path), samples,
+                              base_model=str(base_path), latency_model=latency_model())
 
 
 def capture_all(co, model) -> None:

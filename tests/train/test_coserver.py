@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from deltaserve.core.data import IGNORE_INDEX
 from deltaserve.model.peft_io import load_adapter
-from deltaserve.train.backward_process import BackwardProcess
+from deltaserve.train.backward.messages import BackwardDone, LayerDone
+from deltaserve.train.backward.process import BackwardProcess
+from deltaserve.train.backward.worker import WorkerSpec
 from deltaserve.train.capture import training_only_step
-from deltaserve.train.checkpoint import find_latest
-from deltaserve.train.messages import BackwardDone, LayerDone
-from deltaserve.train.worker import WorkerSpec
+from deltaserve.train.checkpoint_store import find_latest
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
 

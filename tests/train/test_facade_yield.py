@@ -14,29 +14,11 @@ from deltaserve.core.contract import StepReport, TrainingRows
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.yield_reserve import YieldReserveConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy
-from deltaserve.train.facade import BaseCoServer
+from deltaserve.train.facade import CoServer
 from tests.core.test_admission import LIMITS, MODEL, SLO
 
 LAYER_S = 0.001
 DECODE = StepShape(num_decode=2, kv_tokens=40)
-
-
-class StandInBackward:
-    busy = True
-    exclusive = True
-    layer_s = LAYER_S
-
-    def before_step(self, shape: StepShape) -> None:
-        pass
-
-    def after_step(self) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
-
-    def lend(self, seconds: float, wake: threading.Event) -> float:
-        return seconds
 
 
 @dataclass(frozen=True)
@@ -52,9 +34,29 @@ class StandInTrainer:
     optimizer_steps = 0
     last_loss = None
     backward_busy_s = 0.0
+    # the grant: a backward always in flight, exclusive, yielding at every layer
+    backward_busy = True
+    backward_exclusive = True
+    backward_layer_s = LAYER_S
 
     def __init__(self, config, book):
-        self.config, self.counts, self.backward = config, Counter(), StandInBackward()
+        self.config, self.counts = config, Counter()
+
+    @property
+    def steps_lost(self) -> dict[str, int]:
+        return {}
+
+    def before_step(self, shape: StepShape) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def release_backward(self) -> None:
+        pass
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        return seconds
 
     def step(self, plan, rows, abortable, abort):
         return StandInStep(plan, rows)
@@ -95,12 +97,12 @@ def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
         grant_policy=GrantPolicy.EXCLUSIVE, threads=1, max_yield_s=max_yield_s,
         yield_reserve=reserve))
     samples = [TrainingSample(0, (1, 2, 3), (1, 2, 3))]
-    return BaseCoServer(config, LIMITS, samples, StandInTrainer,
+    return CoServer(config, LIMITS, samples, StandInTrainer,
                         latency_model=copy.deepcopy(MODEL),  # it learns from the steps
                         scheduler_cls=RecordingScheduler, clock=Clock())
 
 
-def run_step(co: BaseCoServer, seconds_past_prediction: float, waited_s: float = 0.0,
+def run_step(co: CoServer, seconds_past_prediction: float, waited_s: float = 0.0,
              planned_at_s: float = 0.0) -> None:
     """A step planned at ``planned_at_s`` that waited ``waited_s`` (for the backward to stop,
     the co-server's own bookkeeping) besides its forward, and ended ``seconds_past_prediction``

@@ -5,7 +5,7 @@ import signal
 
 import torch
 
-from deltaserve.train.messages import LayerDone
+from deltaserve.train.backward.messages import LayerDone
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw, export_state
 from deltaserve.train.publish import PublishGuard, publish, roll_back
 from tests.train import fixtures as fx

@@ -7,10 +7,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from deltaserve.core.data import IGNORE_INDEX
-from deltaserve.train.checkpoint import CheckpointConfig, CheckpointStore
-from deltaserve.train.checkpointer import Checkpointer
-from deltaserve.train.coserver import CoServer
+from deltaserve.train.checkpoint_policy import Checkpointer
+from deltaserve.train.checkpoint_store import CheckpointConfig, CheckpointStore
 from deltaserve.train.events import OptimizerStep, ValidationLoss
+from deltaserve.train.facade import CoServer
 from tests.train import fixtures as fx
 from tests.train.test_coserver import run_until
 
@@ -36,9 +36,9 @@ def peft_loss(base_path, adapter_dir, samples) -> tuple[float, float]:
 def test_validation_loss_equals_peft_at_every_checkpoint(base_path, tmp_path):
     train, held_out = fx.samples(24), fx.samples(6, seed=9)
     root = tmp_path / "ck"
-    co = CoServer(fx.config(root, every=2), fx.LIMITS, fx.model(base_path), train,
-                  base_model=str(base_path), latency_model=fx.latency_model(),
-                  validation=held_out)
+    co = CoServer.for_model(fx.config(root, every=2), fx.LIMITS, fx.model(base_path), train,
+                            base_model=str(base_path), latency_model=fx.latency_model(),
+                            validation=held_out)
     rec = fx.Recorder(co)
     try:
         run_until(co, fx.model(base_path), 4)
@@ -72,9 +72,10 @@ def test_failed_validation_is_reported_and_training_goes_on(base_path):
     """A validation that raises in the backward process (here: token ids outside the model's
     vocabulary) is reported for its step, with the error; the adapter is untouched and the next
     steps train."""
-    co = CoServer(fx.config(None, valid_every_steps=1), fx.LIMITS, fx.model(base_path),
-                  fx.samples(24), base_model=str(base_path), latency_model=fx.latency_model(),
-                  validation=fx.samples(4, seed=3, vocab=5000))
+    co = CoServer.for_model(fx.config(None, valid_every_steps=1), fx.LIMITS,
+                            fx.model(base_path), fx.samples(24), base_model=str(base_path),
+                            latency_model=fx.latency_model(),
+                            validation=fx.samples(4, seed=3, vocab=5000))
     rec = fx.Recorder(co)
     try:
         run_until(co, fx.model(base_path), 3)

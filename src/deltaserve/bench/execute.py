@@ -17,10 +17,10 @@ from deltaserve.core.requests import SamplingParams
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.base import BaseHost
 from deltaserve.model.loading import resolve_model
-from deltaserve.train.checkpoint import CheckpointConfig, find_latest
+from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest
 from deltaserve.train.config import CoServeConfig, GrantPolicy
-from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import OptimizerStep, TrainingEvent
+from deltaserve.train.facade import CoServer
 from deltaserve.workloads.trace import Trace
 
 

@@ -32,8 +32,7 @@ from deltaserve.core.shape import StepShape
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.config import HostConfig
 from deltaserve.train.attach import attach, detach
-from deltaserve.train.coserver import CoServer
-from deltaserve.train.facade import BaseCoServer
+from deltaserve.train.facade import CoServer
 
 # Adapter names a client may never use: the co-server's training adapter has no client name.
 RESERVED_ADAPTER_PREFIX = "deltaserve-"
@@ -81,7 +80,7 @@ class BaseHost(ABC):
         self.request_counters = RequestCounters()
         self.coserver: CoServingHooks | None = None
         self.latency_model: LatencyModel | None = None  # refit from inference-only steps
-        self._co: BaseCoServer | None = None
+        self._co: CoServer | None = None
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._wake = threading.Event()
@@ -285,7 +284,7 @@ class BaseHost(ABC):
             # every host plans, runs, observes, then records a step: the co-server's yield
             # before the step it last planned is this step's
             co = self.coserver
-            yielded_s = co.step_yield_s if isinstance(co, BaseCoServer) else 0.0
+            yielded_s = co.step_yield_s if isinstance(co, CoServer) else 0.0
             rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted, yielded_s)
             for listener in self._step_listeners:
                 listener(rec)
@@ -299,7 +298,7 @@ class BaseHost(ABC):
         self._co, self.latency_model = co, co.latency
         return co
 
-    def detach(self, *, drain: bool = True, checkpoint: bool = True) -> BaseCoServer | None:
+    def detach(self, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:
         """Stop co-serving: train what was captured (``drain``), checkpoint, stop the backward.
         Safe while a loop runs: the host lets go of the co-server between two steps, so no step
         is using it when it closes (the loop goes on serving meanwhile)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from deltaserve.core.data import DataConfig, load_dataset
 from deltaserve.core.errors import InputError
 from deltaserve.core.tokenizer import Tokenizer
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 
 DATASET_FLAG = "--finetune-dataset"
 

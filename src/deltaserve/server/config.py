@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.core.errors import require
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 
 DEFAULT_BIND = "127.0.0.1"  # never every interface unless asked (issue #10)
 DEFAULT_DATA_DIR = Path("deltaserve-data")

@@ -46,7 +46,6 @@ from deltaserve.server.protocols import (
 )
 from deltaserve.server.runner_events import EventTranslator
 from deltaserve.train.config import CoServeConfig
-from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import (
     CheckpointSaved,
     CoServeStats,
@@ -55,6 +54,7 @@ from deltaserve.train.events import (
     TrainingEvent,
     TrainingStopped,
 )
+from deltaserve.train.facade import CoServer
 
 log = logging.getLogger("deltaserve.server")
 

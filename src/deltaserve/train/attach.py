@@ -27,8 +27,7 @@ from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model.llama import LlamaModel
 from deltaserve.train.config import CoServeConfig
-from deltaserve.train.coserver import CoServer
-from deltaserve.train.facade import BaseCoServer
+from deltaserve.train.facade import CoServer
 from deltaserve.train.preflight import preflight
 
 logger = logging.getLogger("deltaserve")
@@ -90,15 +89,15 @@ def attach(host: TrainingHost, *, dataset: Dataset, slo: SLOConfig | None = None
         latency_model = host.calibrate(config.lora, calibration, config.latency,
                                        seed=config.seed, progress=progress)
     model = LlamaModel(host.model_config, host.backward_weights())
-    co = CoServer(config, host.limits, model, samples, base_model=host.model_path,
-                  latency_model=latency_model, publish=host.publish_adapter,
-                  scheduler_cls=scheduler_cls, validation=held_out)
+    co = CoServer.for_model(config, host.limits, model, samples, base_model=host.model_path,
+                            latency_model=latency_model, publish=host.publish_adapter,
+                            scheduler_cls=scheduler_cls, validation=held_out)
     host.install_training_adapter(co.adapter)
     host.set_coserver(co)
     return co
 
 
-def detach(host: TrainingHost, co: BaseCoServer, *, drain: bool = True,
+def detach(host: TrainingHost, co: CoServer, *, drain: bool = True,
            checkpoint: bool = True) -> None:
     """Stop co-serving: the host stops calling ``co``; captured samples are trained
     (``drain``) or returned; a checkpoint of the last committed step is written."""

@@ -13,7 +13,7 @@ from deltaserve.core.slo import SLOConfig
 from deltaserve.core.yield_reserve import YieldReserveConfig
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.buffer import BufferSave
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 from deltaserve.train.optim import OptimizerConfig
 
 

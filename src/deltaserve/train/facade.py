@@ -4,15 +4,16 @@ over its parts.
 * :class:`~deltaserve.train.samples.SampleBook`: pool, buffer rows, dropout seeds, ready queue;
 * :class:`~deltaserve.core.admission.AdmissionScheduler`: Algorithm 1 (or a baseline policy)
   over the latency model;
-* a :class:`~deltaserve.train.trainer_api.CoTrainer`: what trains the captured samples, built by
-  the factory the facade is given (the real :class:`~deltaserve.train.trainer.Trainer` through
-  :class:`deltaserve.train.coserver.CoServer`, or a simulated host's timed stand-in).
+* a :class:`~deltaserve.train.trainer_protocol.CoTrainer`: what trains the captured samples,
+  built by the factory the co-server is given (the real :class:`~deltaserve.train.trainer.Trainer`
+  through :class:`~deltaserve.train.trainer.TorchTrainerFactory`, see :meth:`CoServer.for_model`,
+  or a simulated host's timed stand-in).
 
 Sample lifecycle: admitted (claimed, rows reserved) → captured (ready) → in the backward →
 committed (adapter published, rows freed). An aborted step or a lost backward job releases its
 samples, so each is trained exactly once per epoch. Once the training half gives up
 (:class:`~deltaserve.train.events.TrainingStopped`: every step lost), steps admit nothing more
-and the co-server serves inference alone; :meth:`BaseCoServer.raise_if_failed` says why.
+and the co-server serves inference alone; :meth:`CoServer.raise_if_failed` says why.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ from deltaserve.core.data import TrainingSample
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.pool import SamplePool
 from deltaserve.core.yield_reserve import YieldReserve
+from deltaserve.model.llama import LlamaModel
+from deltaserve.model.lora import AdapterWeights
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import CoServeStats, Listener, TrainingEvent, TrainingStopped
 from deltaserve.train.lost_steps import TrainingFailed
 from deltaserve.train.samples import SampleBook, buffer_capacity
-from deltaserve.train.trainer_api import CoTrainer, TrainerFactory
+from deltaserve.train.trainer import Publish, TorchTrainerFactory, Trainer
+from deltaserve.train.trainer_protocol import CoTrainer, TrainerFactory
 
 
-class BaseCoServer:
+class CoServer:
     """``trainer``: builds the training half over the facade's sample book. ``pool``: a sample
     pool shared with other co-servers (data-parallel replicas claim from one pool, so every
     sample is trained once across them); by default the facade's own."""
@@ -76,9 +80,38 @@ class BaseCoServer:
         self._failure: TrainingFailed | None = None
         self.trainer.subscribe(self._on_training_event)
 
+    @classmethod
+    def for_model(cls, config: CoServeConfig, limits: HostLimits, model: LlamaModel,
+                  samples: Sequence[TrainingSample], *, base_model: str,
+                  latency_model: LatencyModel | None = None, publish: Publish | None = None,
+                  scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
+                  validation: Sequence[TrainingSample] = ()) -> CoServer:
+        """The co-server of a real host: the torch :class:`Trainer` over ``model``'s weights
+        (adapter, optimizer state, activation buffer, the backward process, checkpoints)."""
+        return cls(config, limits, samples,
+                   TorchTrainerFactory(model, base_model, publish, tuple(validation)),
+                   latency_model=latency_model, scheduler_cls=scheduler_cls)
+
+    @property
+    def _real(self) -> Trainer:
+        if not isinstance(self.trainer, Trainer):
+            raise TypeError(f"{type(self.trainer).__name__} trains no adapter: only a real "
+                            "host's co-server (CoServer.for_model) has one")
+        return self.trainer
+
+    @property
+    def adapter(self) -> AdapterWeights:
+        """The trained adapter (shared with the backward; published after every step)."""
+        return self._real.adapter
+
+    @property
+    def model(self) -> LlamaModel:
+        """The model whose weights the backward shares."""
+        return self._real.model
+
     @property
     def backward_busy(self) -> bool:
-        return self.trainer.backward.busy
+        return self.trainer.backward_busy
 
     # ---- the host contract (CoServingHooks) -------------------------------------------------
     def plan(self, view: SchedulingView) -> TrainingStep:
@@ -94,21 +127,21 @@ class BaseCoServer:
         if self._failure is not None:  # training gave up: the step serves inference only
             plan = AdmissionPlan((), view.proposed, None, math.nan, Skip.OFF)
         else:
-            plan = self.scheduler.plan(view, backward_running=t.backward.busy,
+            plan = self.scheduler.plan(view, backward_running=t.backward_busy,
                                        batch_room_tokens=room, reserve_s=reserve_s)
         if plan.skip is not None:
             self._skips[plan.skip.value] += 1
         if plan.sample_ids:
             self._timing["ft_tokens_admitted"] += plan.num_ft_tokens
         rows = self.book.rows(plan, self.config.lora.dropout)
-        t.backward.before_step(plan.shape)
+        t.before_step(plan.shape)
         abortable = self.config.interrupt and bool(plan.sample_ids) \
             and not plan.shape.has_inference
         return t.step(plan, rows, abortable, self._abort)
 
     def observe(self, report: StepReport) -> None:
         t = self.trainer
-        t.backward.after_step()
+        t.after_step()
         plan = report.step.plan
         upper_s = self._upper_s(report)
         if report.aborted:
@@ -141,16 +174,16 @@ class BaseCoServer:
                 and self.latency.is_calibrated and self.book.can_admit())
 
     def idle(self, timeout_s: float) -> None:
-        self.trainer.backward.release()
+        self.trainer.release_backward()
         self.trainer.poll(timeout_s)
 
     def yield_budget_s(self, view: SchedulingView) -> float:
-        b, bw = self.config.backward, self.trainer.backward
-        if not (bw.exclusive and b.yield_to_backward and bw.busy):
+        b, t = self.config.backward, self.trainer
+        if not (t.backward_exclusive and b.yield_to_backward and t.backward_busy):
             return 0.0
         # the backward stops at a layer boundary: the reserve is at least two layers
-        return self._reserve.budget_s(self.scheduler.yield_budget_s(view), 2 * bw.layer_s,
-                                      b.max_yield_s)
+        return self._reserve.budget_s(self.scheduler.yield_budget_s(view),
+                                      2 * t.backward_layer_s, b.max_yield_s)
 
     def _upper_s(self, report: StepReport) -> float | None:
         """The margin-inflated prediction of an inference step that ran whole, before the
@@ -158,8 +191,8 @@ class BaseCoServer:
         time from its start (see :meth:`plan`) to the end of :meth:`observe` (the wait for the
         backward to stop, the forward, this bookkeeping), less this. ``None`` where the host
         never yields (the reserve is not needed, and steps pay for no extra prediction)."""
-        b, bw = self.config.backward, self.trainer.backward
-        if not (bw.exclusive and b.yield_to_backward):
+        b, t = self.config.backward, self.trainer
+        if not (t.backward_exclusive and b.yield_to_backward):
             return None
         if report.aborted or not report.shape.has_inference or not self.latency.is_calibrated:
             return None
@@ -167,9 +200,9 @@ class BaseCoServer:
 
     def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
         self._due_s = self._clock() + seconds
-        given = self.trainer.backward.lend(seconds, wake)
+        given = self.trainer.lend(seconds, wake)
         self._lent_s += given
-        self._lent_reserve_s = self._reserve.reserve_s(2 * self.trainer.backward.layer_s)
+        self._lent_reserve_s = self._reserve.reserve_s(2 * self.trainer.backward_layer_s)
         self.trainer.counts["yields"] += 1
         self.trainer.poll()
         return given
@@ -215,4 +248,4 @@ class BaseCoServer:
                             c["io_errors"], p.epoch, t.last_loss, dict(self._skips),
                             timing.get("ft_tokens_admitted", 0), timing.get("steps_timed", 0),
                             timing.get("predicted_s", 0.0), timing.get("measured_s", 0.0),
-                            t.backward_busy_s)
+                            t.backward_busy_s, dict(t.steps_lost))

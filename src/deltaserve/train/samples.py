@@ -19,8 +19,8 @@ from deltaserve.core.contract import TrainingRows
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
 from deltaserve.core.pool import PoolProgress, SamplePool
-from deltaserve.train.checkpoint import dataset_fingerprint
-from deltaserve.train.messages import JobSample
+from deltaserve.train.backward.messages import JobSample
+from deltaserve.train.checkpoint_store import dataset_fingerprint
 
 
 class SampleBook:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,11 +25,14 @@ from deltaserve.core.admission import AdmissionPlan
 from deltaserve.core.contract import TrainingRows
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
+from deltaserve.core.shape import StepShape
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
-from deltaserve.train.backward_driver import BackwardDriver, BackwardOutcome
+from deltaserve.train.backward.driver import BackwardDriver, BackwardOutcome, resolve_policy
+from deltaserve.train.backward.messages import BackwardDone, BackwardJob, EvalDone, EvalJob
+from deltaserve.train.backward.worker import SharedState, WorkerSpec
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
-from deltaserve.train.checkpointer import Checkpointer
+from deltaserve.train.checkpoint_policy import Checkpointer
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import (
     Listener,
@@ -40,12 +44,10 @@ from deltaserve.train.events import (
     ValidationLoss,
 )
 from deltaserve.train.lost_steps import LostSteps, TrainingFailed
-from deltaserve.train.messages import BackwardDone, BackwardJob, EvalDone, EvalJob
 from deltaserve.train.optim import OptimizerState
 from deltaserve.train.publish import PublishGuard
 from deltaserve.train.samples import SampleBook
 from deltaserve.train.step import CapturingStep
-from deltaserve.train.worker import SharedState, WorkerSpec
 
 Publish = Callable[[AdapterWeights], None]
 logger = logging.getLogger("deltaserve")
@@ -57,6 +59,7 @@ class Trainer:
                  validation: Sequence[TrainingSample] = ()):
         device = model.weights.device
         self.config, self.book, self._publish = config, book, publish
+        self.model = model  # its weights are shared with the backward process
         self.adapter = AdapterWeights(model.config, config.lora, device=device)
         self.adapter.init_peft_(config.seed)
         self.optimizer_state = OptimizerState(self.adapter.numel)
@@ -92,6 +95,39 @@ class Trainer:
         if self.failure is not None:
             return self.backward.busy
         return self.book.has_ready or self.backward.busy or self._validation_due is not None
+
+    # ---- the grant around host steps: the co-server's only way to the backward ------------
+    @property
+    def backward_busy(self) -> bool:
+        """A backward job is in flight (its outcome not yet handled)."""
+        return self.backward.busy
+
+    @property
+    def backward_exclusive(self) -> bool:
+        """The backward computes only while the host waits (idle time and yields)."""
+        return self.backward.exclusive
+
+    @property
+    def backward_layer_s(self) -> float:
+        """The backward's time per layer: the grain at which it yields."""
+        return self.backward.layer_s
+
+    def before_step(self, shape: StepShape) -> None:
+        self.backward.before_step(shape)
+
+    def after_step(self) -> None:
+        self.backward.after_step()
+
+    def release_backward(self) -> None:
+        self.backward.release()
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        return self.backward.lend(seconds, wake)
+
+    @property
+    def steps_lost(self) -> dict[str, int]:
+        """Optimizer steps lost, by kind (a production counter)."""
+        return dict(self.lost.by_kind)
 
     def step(self, plan: AdmissionPlan, rows: TrainingRows, abortable: bool,
              abort: threading.Event) -> CapturingStep:
@@ -265,3 +301,21 @@ class Trainer:
             self.book.release_ready()
             if checkpoint:
                 self.save_checkpoint()
+
+
+@dataclass(frozen=True)
+class TorchTrainerFactory:
+    """Builds the real trainer over ``model``'s weights, with the grant policy resolved for the
+    device the weights live on."""
+
+    model: LlamaModel
+    base_model: str
+    publish: Publish | None = None
+    validation: tuple[TrainingSample, ...] = ()  # held-out samples, validated in the backward
+
+    def __call__(self, config: CoServeConfig, book: SampleBook) -> Trainer:
+        b = resolve_policy(config.backward, self.model.weights.device.type == "cuda",
+                           torch.get_num_threads())
+        return Trainer(replace(config, backward=b), self.model, book,
+                       base_model=self.base_model, publish=self.publish,
+                       validation=self.validation)

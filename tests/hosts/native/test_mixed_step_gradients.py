@@ -29,9 +29,9 @@ from deltaserve.core.data import IGNORE_INDEX, TrainingSample
 from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
 from deltaserve.model import AdapterWeights, LoRAConfig
 from deltaserve.model.lora import ALL_MODULES, DropoutSegment, dropout_, peft_key
+from deltaserve.train.backward.messages import JobSample
+from deltaserve.train.backward.recompute import layerwise_backward
 from deltaserve.train.config import BackwardConfig
-from deltaserve.train.messages import JobSample
-from deltaserve.train.recompute import layerwise_backward
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
 

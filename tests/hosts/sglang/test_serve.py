@@ -28,7 +28,7 @@ from deltaserve.core.errors import InputError
 from deltaserve.hosts.sglang.serve import parse
 from deltaserve.hosts.sglang.serve_config import ServeState, ServeStatus
 from deltaserve.hosts.sglang.training import TRAIN_ADAPTER
-from deltaserve.train.checkpoint import find_latest
+from deltaserve.train.checkpoint_store import find_latest
 from tests.hosts.sglang.common import LORA, hf_greedy
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

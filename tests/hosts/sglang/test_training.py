@@ -16,10 +16,10 @@ from deltaserve.core.requests import SamplingParams
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.model.peft_io import load_adapter
-from deltaserve.train.checkpoint import CheckpointConfig, find_latest
-from deltaserve.train.messages import JobSample
+from deltaserve.train.backward.messages import JobSample
+from deltaserve.train.backward.recompute import layerwise_backward
+from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest
 from deltaserve.train.optim import OptimizerConfig
-from deltaserve.train.recompute import layerwise_backward
 from tests.hosts.native.test_mixed_step_gradients import peft_grads
 from tests.hosts.sglang.common import LORA, PROMPTS, coserve, hf_greedy
 from tests.train import fixtures as fx

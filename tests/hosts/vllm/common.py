@@ -17,10 +17,10 @@ from deltaserve.model import AdapterWeights, LoRAConfig
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.loading import resolve_model
 from deltaserve.model.lora import peft_key
+from deltaserve.train.backward.messages import JobSample
+from deltaserve.train.backward.recompute import layerwise_backward
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
 from deltaserve.train.config import BackwardConfig
-from deltaserve.train.messages import JobSample
-from deltaserve.train.recompute import layerwise_backward
 from tests.hosts.spies import SpyStep, spy_steps
 
 LORA = LoRAConfig(r=8, alpha=16, dropout=0.0)

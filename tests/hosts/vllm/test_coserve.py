@@ -26,7 +26,7 @@ from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig  # noqa: E402
 from deltaserve.hosts.vllm.hidden import HiddenKind  # noqa: E402
 from deltaserve.model.loading import resolve_model  # noqa: E402
 from deltaserve.model.peft_io import load_adapter  # noqa: E402
-from deltaserve.train.checkpoint import CheckpointConfig, find_latest  # noqa: E402
+from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest  # noqa: E402
 from deltaserve.train.config import BackwardConfig, GrantPolicy  # noqa: E402
 from deltaserve.train.optim import OptimizerConfig  # noqa: E402
 from tests.hosts.spies import StepLog, spy_steps  # noqa: E402

@@ -30,7 +30,7 @@ from deltaserve.hosts.vllm import serve
 from deltaserve.model import AdapterWeights
 from deltaserve.model.loading import read_config, resolve_model
 from deltaserve.model.peft_io import load_adapter
-from deltaserve.train.checkpoint import find_latest
+from deltaserve.train.checkpoint_store import find_latest
 from tests.train import fixtures as fx
 
 SEED = 7  # the adapter's PEFT init seed (--finetune-seed)

@@ -23,7 +23,7 @@ from deltaserve.hosts.vllm.wire import (
     encode_event,
 )
 from deltaserve.model.lora import LoRAConfig
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import (
     CheckpointSaved,

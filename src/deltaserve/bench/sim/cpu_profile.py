@@ -34,8 +34,8 @@ from deltaserve.model.loading import load_tokenizer, resolve_model
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.capture import training_only_step
 from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy
-from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import OptimizerStep
+from deltaserve.train.facade import CoServer
 from deltaserve.train.optim import OptimizerConfig
 
 # the CPU bench's region: prompts up to 512 + 64 output tokens, 256 tokens and 32 sequences a step
@@ -102,8 +102,8 @@ def profile_backward(engine: LLMEngine, samples: list[TrainingSample], lora: LoR
         cfg = CoServeConfig(SLOConfig(1.0, 1.0), lora=lora, optimizer=OptimizerConfig(),
                             backward=BackwardConfig(batch_tokens=batch, threads=threads,
                                                     grant_policy=GrantPolicy.PARTITION))
-        co = CoServer(cfg, limits, engine.model, samples, base_model=engine.model_path,
-                      latency_model=lm)
+        co = CoServer.for_model(cfg, limits, engine.model, samples,
+                                base_model=engine.model_path, latency_model=lm)
         done: list[OptimizerStep] = []
         co.subscribe(lambda ev, d=done: d.append(ev) if isinstance(ev, OptimizerStep) else None)
         try:

@@ -23,7 +23,7 @@ from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.errors import require
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model.lora import LoRAConfig
-from deltaserve.train.checkpoint import CheckpointConfig
+from deltaserve.train.checkpoint_store import CheckpointConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig
 from deltaserve.train.events import CoServeStats
 from deltaserve.train.optim import OptimizerConfig

@@ -27,7 +27,7 @@ from deltaserve.hosts.sglang.training import SchedulerTrainingHost
 from deltaserve.hosts.sglang.version import SERVE_ENV
 from deltaserve.model.loading import load_tokenizer, read_config
 from deltaserve.train.attach import attach, detach
-from deltaserve.train.coserver import CoServer
+from deltaserve.train.facade import CoServer
 
 logger = logging.getLogger("deltaserve.sglang")
 

@@ -48,7 +48,7 @@ from deltaserve.model.llama import BaseWeights
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.attach import resolve_config
 from deltaserve.train.config import CoServeConfig, GrantPolicy
-from deltaserve.train.facade import BaseCoServer
+from deltaserve.train.facade import CoServer
 
 SAMPLED_TOKEN = 0  # what a simulated step "samples": no logits exist
 
@@ -118,7 +118,7 @@ class SimEngine(BaseHost):
                config: CoServeConfig | None = None, slo: SLOConfig | None = None,
                latency_model: LatencyModel | None = None,
                scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
-               pool: SamplePool | None = None, **overrides: object) -> BaseCoServer:
+               pool: SamplePool | None = None, **overrides: object) -> CoServer:
         """Co-serve on this host: the real co-server policy over the simulated trainer.
         ``dataset``: tokenized samples (a simulated host has no tokenizer). ``pool``: a pool
         shared with other replicas. Calibrates through the oracle unless ``latency_model``."""
@@ -134,13 +134,13 @@ class SimEngine(BaseHost):
         factory = SimTrainerFactory(self.clock, self.device, self.hw.backward,
                                     StepNoise(self.hw.noise_sigma, self.noise_seed + 1),
                                     self.hw.tp)
-        co = BaseCoServer(config, self.limits, dataset, factory, latency_model=latency_model,
+        co = CoServer(config, self.limits, dataset, factory, latency_model=latency_model,
                           scheduler_cls=scheduler_cls, pool=pool, clock=self.clock.now)
         self._co, self.latency_model = co, co.latency
         self.set_coserver(co)
         return co
 
-    def detach(self, *, drain: bool = True, checkpoint: bool = True) -> BaseCoServer | None:
+    def detach(self, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:
         """Stop co-serving. A step in flight that carries samples finishes first (simulated
         time runs on until it is observed), then the co-server trains (``drain``) or returns
         what it captured."""

@@ -31,7 +31,7 @@ from deltaserve.hosts.sim.engine import SimEngine
 from deltaserve.hosts.sim.hardware import SimHardware
 from deltaserve.train.config import CoServeConfig
 from deltaserve.train.events import OptimizerStep, TrainingEvent
-from deltaserve.train.facade import BaseCoServer
+from deltaserve.train.facade import CoServer
 from deltaserve.workloads.trace import Trace
 
 
@@ -97,7 +97,7 @@ class Fleet:
         self.router = Router(router)
         self.engines = [SimEngine(config, clock=self.clock, hardware=hardware,
                                   seed=seed * 7919 + 101 * rank) for rank in range(replicas)]
-        self.coservers: list[BaseCoServer] = []
+        self.coservers: list[CoServer] = []
         self.sync: GradientSync | None = None
         self.commits: list[OptimizerStep] = []
         self._load = [0] * replicas

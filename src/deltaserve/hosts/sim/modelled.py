@@ -82,7 +82,7 @@ class ModelledParams:
         "measured, H200 (shared/data/h200/README.md, 'Co-location' table; probe.md §4): a "
         "graph decode step (B=32, L=1024) beside a LoRA backward in a second process, "
         "time-sliced by the driver without MPS: median ×1.41 (p99 ×1.60). DeltaServe's backward "
-        "is a separate process (train/backward_process.py). Low end: one process, two CUDA "
+        "is a separate process (train/backward/process.py). Low end: one process, two CUDA "
         "streams (×1.11); high end: the processes' p99", DECODE_INFLATION_STREAMS - 1.0, 0.60)
     backward_share_under_decode: float = _param(
         BACKWARD_KEEPS_PROCESSES, "fraction of standalone backward rate",

@@ -1,7 +1,8 @@
-"""The simulated training half of a co-server: a :class:`~deltaserve.train.trainer_api.CoTrainer`
-whose backward is a timed stand-in on the simulated device (:mod:`deltaserve.hosts.sim.device`).
+"""The simulated training half of a co-server: a
+:class:`~deltaserve.train.trainer_protocol.CoTrainer` whose backward is a timed stand-in on the
+simulated device (:mod:`deltaserve.hosts.sim.device`).
 
-Everything above it is the real co-server (:class:`deltaserve.train.facade.BaseCoServer`):
+Everything above it is the real co-server (:class:`deltaserve.train.facade.CoServer`):
 admission, the sample book, the grant around host steps. What this replaces is only what
 computes: captures write nothing (no tensors), the backward job's time comes from
 :class:`~deltaserve.hosts.sim.backward.BackwardModel` with the oracle's per-step noise, and its
@@ -26,9 +27,9 @@ from deltaserve.hosts.sim.backward import BackwardCost, BackwardJob
 from deltaserve.hosts.sim.clock import SimClock
 from deltaserve.hosts.sim.device import GpuTimeline, JobTiming
 from deltaserve.hosts.sim.oracle import StepNoise
+from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.config import CoServeConfig, GrantPolicy
 from deltaserve.train.events import Listener, OptimizerStep, TrainingEvent
-from deltaserve.train.messages import JobSample
 from deltaserve.train.samples import SampleBook
 
 NAN = math.nan
@@ -56,7 +57,8 @@ class SimStep:
 
 
 class SimBackward:
-    """:class:`~deltaserve.train.trainer_api.BackwardControl` over the simulated device."""
+    """The grant around host steps over the simulated device (what
+    :class:`~deltaserve.train.backward.driver.BackwardDriver` is to the real trainer)."""
 
     def __init__(self, policy: GrantPolicy, device: GpuTimeline, model: BackwardCost,
                  noise: StepNoise, tp: int):
@@ -120,6 +122,39 @@ class SimTrainer:
     @property
     def has_pending(self) -> bool:
         return self.book.has_ready or self.backward.busy
+
+    @property
+    def steps_lost(self) -> dict[str, int]:
+        """A simulated backward loses no step."""
+        return {}
+
+    # ---- the grant around host steps: as the real trainer's -------------------------------
+    @property
+    def backward_busy(self) -> bool:
+        """A backward job is in flight (its outcome not yet handled)."""
+        return self.backward.busy
+
+    @property
+    def backward_exclusive(self) -> bool:
+        """The backward computes only while the host waits (idle time and yields)."""
+        return self.backward.exclusive
+
+    @property
+    def backward_layer_s(self) -> float:
+        """The backward's time per layer: the grain at which it yields."""
+        return self.backward.layer_s
+
+    def before_step(self, shape: StepShape) -> None:
+        self.backward.before_step(shape)
+
+    def after_step(self) -> None:
+        self.backward.after_step()
+
+    def release_backward(self) -> None:
+        self.backward.release()
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        return self.backward.lend(seconds, wake)
 
     def step(self, plan: AdmissionPlan, rows: TrainingRows, abortable: bool,
              abort: threading.Event) -> SimStep:

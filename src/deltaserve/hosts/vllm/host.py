@@ -61,7 +61,7 @@ from deltaserve.model.peft_io import load_adapter
 from deltaserve.train.attach import attach as attach_coserver
 from deltaserve.train.attach import resolve_config
 from deltaserve.train.buffer import BufferSave
-from deltaserve.train.coserver import CoServer
+from deltaserve.train.facade import CoServer
 
 # attach()'s own arguments; every other keyword overrides a CoServeConfig field
 _ATTACH_ARGS = frozenset(inspect.signature(attach_coserver).parameters) - {"host", "overrides"}

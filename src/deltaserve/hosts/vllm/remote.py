@@ -42,10 +42,10 @@ from deltaserve.hosts.vllm.wire import (
 )
 from deltaserve.model.loading import load_tokenizer
 from deltaserve.train.attach import attach, detach
-from deltaserve.train.checkpoint import find_latest
+from deltaserve.train.checkpoint_store import find_latest
 from deltaserve.train.config import CoServeConfig
-from deltaserve.train.coserver import CoServer
 from deltaserve.train.events import TrainingEvent
+from deltaserve.train.facade import CoServer
 
 logger = logging.getLogger("deltaserve.vllm")
 

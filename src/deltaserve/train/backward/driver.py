@@ -14,9 +14,7 @@ import time
 from dataclasses import dataclass, replace
 
 from deltaserve.core.shape import StepShape
-from deltaserve.train.backward_process import BackwardEvent, BackwardProcess, WorkerLost
-from deltaserve.train.config import BackwardConfig, GrantPolicy
-from deltaserve.train.messages import (
+from deltaserve.train.backward.messages import (
     BackwardDone,
     BackwardFailed,
     BackwardJob,
@@ -24,7 +22,9 @@ from deltaserve.train.messages import (
     EvalJob,
     LayerDone,
 )
-from deltaserve.train.worker import SharedState, WorkerSpec
+from deltaserve.train.backward.process import BackwardEvent, BackwardProcess, WorkerLost
+from deltaserve.train.backward.worker import SharedState, WorkerSpec
+from deltaserve.train.config import BackwardConfig, GrantPolicy
 
 # Until the first layer is timed: a conservative guess at the backward's time per layer.
 _INITIAL_LAYER_S = 0.05

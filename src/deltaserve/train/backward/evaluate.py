@@ -19,8 +19,8 @@ from deltaserve.core.data import IGNORE_INDEX
 from deltaserve.model.attention import CausalSegments, attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAGroup
-from deltaserve.train.messages import EvalDone, EvalJob
-from deltaserve.train.recompute import GrantWait
+from deltaserve.train.backward.messages import EvalDone, EvalJob
+from deltaserve.train.backward.recompute import GrantWait
 
 # Tokens forwarded at once: bounds the memory of one chunk's activations.
 EVAL_CHUNK_TOKENS = 2048

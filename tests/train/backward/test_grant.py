@@ -7,7 +7,7 @@ import time
 
 import torch.multiprocessing as mp
 
-from deltaserve.train.grant import Grant
+from deltaserve.train.backward.grant import Grant
 
 
 def _wait_then_report(grant, woke):

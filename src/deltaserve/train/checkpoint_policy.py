@@ -1,4 +1,6 @@
-"""The co-server's checkpoints and training log, tolerant of a failing disk.
+"""When the co-server writes its checkpoints and training log (periodically, at the end, and
+again after a failed write), over the on-disk format of :mod:`deltaserve.train.checkpoint_store`,
+tolerant of a failing disk.
 
 A training-side write that fails (a full disk, an I/O error) must never reach the host's step:
 it is counted, reported as a :class:`TrainingIOError` event, and retried later. Until a retry
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights
-from deltaserve.train.checkpoint import (
+from deltaserve.train.checkpoint_store import (
     CheckpointConfig,
     CheckpointStore,
     Resumed,

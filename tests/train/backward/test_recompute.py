@@ -13,10 +13,10 @@ from deltaserve.core.shape import StepShape
 from deltaserve.model import AdapterWeights, CausalSegments, ForwardContext, LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
 from deltaserve.model.lora import DropoutSegment, LoRAGroup
+from deltaserve.train.backward.messages import JobSample
+from deltaserve.train.backward.recompute import layerwise_backward, shifted_targets
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
 from deltaserve.train.capture import forward_training_rows
-from deltaserve.train.messages import JobSample
-from deltaserve.train.recompute import layerwise_backward, shifted_targets
 from deltaserve.train.step import CapturingStep
 from tests.tiny import hf_tiny_llama
 

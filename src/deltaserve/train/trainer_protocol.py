@@ -3,7 +3,7 @@ the sample book, the grant around host steps) and whatever trains the captured s
 
 :class:`deltaserve.train.trainer.Trainer` is the real one (adapter, activation buffer, backward
 process, checkpoints); a simulated host supplies a timed stand-in on its simulated clock
-(:mod:`deltaserve.hosts.sim.trainer`). The facade (:class:`deltaserve.train.facade.BaseCoServer`)
+(:mod:`deltaserve.hosts.sim.trainer`). The facade (:class:`deltaserve.train.facade.CoServer`)
 depends on these Protocols only, so both run the same policy code.
 """
 
@@ -24,39 +24,6 @@ if TYPE_CHECKING:
     from deltaserve.train.samples import SampleBook
 
 
-class BackwardControl(Protocol):
-    """The grant around host steps (see :class:`deltaserve.train.config.GrantPolicy`)."""
-
-    @property
-    def busy(self) -> bool:
-        """A backward job is in flight (its outcome not yet handled)."""
-        ...
-
-    @property
-    def exclusive(self) -> bool:
-        """The backward computes only while the host waits (idle time and yields)."""
-        ...
-
-    @property
-    def layer_s(self) -> float:
-        """The backward's time per layer: the grain at which it yields."""
-        ...
-
-    def before_step(self, shape: StepShape) -> None:
-        """Take the machine back for a step that needs it."""
-        ...
-
-    def after_step(self) -> None: ...
-
-    def release(self) -> None:
-        """The host runs nothing: the backward may use the whole machine."""
-        ...
-
-    def lend(self, seconds: float, wake: threading.Event) -> float:
-        """Let the backward run for ``seconds`` or until ``wake``; the time given."""
-        ...
-
-
 class CoTrainer(Protocol):
     """Captured samples to committed optimizer steps. ``config``: the co-server's config with
     the grant policy resolved for the device; ``counts``: the facade's and the trainer's
@@ -69,7 +36,40 @@ class CoTrainer(Protocol):
     backward_busy_s: float  # seconds the backward has computed (a production counter)
 
     @property
-    def backward(self) -> BackwardControl: ...
+    def steps_lost(self) -> dict[str, int]:
+        """Optimizer steps lost, by kind (empty where none can be lost)."""
+        ...
+
+    # the grant around host steps (see :class:`deltaserve.train.config.GrantPolicy`): the
+    # co-server reaches the backward only through these
+    @property
+    def backward_busy(self) -> bool:
+        """A backward job is in flight (its outcome not yet handled)."""
+        ...
+
+    @property
+    def backward_exclusive(self) -> bool:
+        """The backward computes only while the host waits (idle time and yields)."""
+        ...
+
+    @property
+    def backward_layer_s(self) -> float:
+        """The backward's time per layer: the grain at which it yields."""
+        ...
+
+    def before_step(self, shape: StepShape) -> None:
+        """Take the machine back for a step that needs it."""
+        ...
+
+    def after_step(self) -> None: ...
+
+    def release_backward(self) -> None:
+        """The host runs nothing: the backward may use the whole machine."""
+        ...
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        """Let the backward run for ``seconds`` or until ``wake``; the time given."""
+        ...
 
     @property
     def has_pending(self) -> bool:

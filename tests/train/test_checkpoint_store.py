@@ -9,7 +9,7 @@ import os
 import pytest
 
 from deltaserve.core import InputError
-from deltaserve.train.checkpoint import (
+from deltaserve.train.checkpoint_store import (
     FILES,
     STATE_NAME,
     CheckpointStore,

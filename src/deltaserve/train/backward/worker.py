@@ -25,10 +25,9 @@ import torch
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
-from deltaserve.train.buffer import ActivationBuffer
-from deltaserve.train.evaluate import validation_loss
-from deltaserve.train.grant import Grant
-from deltaserve.train.messages import (
+from deltaserve.train.backward.evaluate import validation_loss
+from deltaserve.train.backward.grant import Grant
+from deltaserve.train.backward.messages import (
     BackwardDone,
     BackwardFailed,
     BackwardJob,
@@ -38,9 +37,10 @@ from deltaserve.train.messages import (
     Stop,
     WorkerReady,
 )
+from deltaserve.train.backward.recompute import GrantWait, layerwise_backward
+from deltaserve.train.buffer import ActivationBuffer
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw
 from deltaserve.train.publish import PublishGuard, publish, roll_back
-from deltaserve.train.recompute import GrantWait, layerwise_backward
 
 
 @dataclass(frozen=True)

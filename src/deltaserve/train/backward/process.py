@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
-from deltaserve.train.grant import Grant
-from deltaserve.train.messages import (
+from deltaserve.train.backward.grant import Grant
+from deltaserve.train.backward.messages import (
     BackwardDone,
     BackwardFailed,
     BackwardJob,
@@ -24,8 +24,8 @@ from deltaserve.train.messages import (
     Stop,
     WorkerReady,
 )
+from deltaserve.train.backward.worker import SharedState, WorkerSpec, worker_main
 from deltaserve.train.publish import roll_back
-from deltaserve.train.worker import SharedState, WorkerSpec, worker_main
 
 
 @dataclass(frozen=True)

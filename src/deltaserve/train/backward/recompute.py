@@ -19,8 +19,8 @@ from deltaserve.core.data import IGNORE_INDEX
 from deltaserve.model.attention import CausalSegments, attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel
 from deltaserve.model.lora import AdapterWeights, DropoutSegment, LoRAGroup
+from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.buffer import ActivationBuffer
-from deltaserve.train.messages import JobSample
 
 # Called before recomputing each layer; blocks while inference holds the grant and returns the
 # seconds it waited.

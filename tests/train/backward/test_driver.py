@@ -4,8 +4,8 @@ import threading
 import types
 
 from deltaserve.core.shape import StepShape
-from deltaserve.train.backward_driver import BackwardDriver
-from deltaserve.train.backward_process import BackwardProcess
+from deltaserve.train.backward.driver import BackwardDriver
+from deltaserve.train.backward.process import BackwardProcess
 from deltaserve.train.config import BackwardConfig, GrantPolicy
 
 

@@ -25,7 +25,6 @@ from deltaserve.core.admission import AdmissionPlan
 from deltaserve.core.contract import TrainingRows
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
-from deltaserve.core.shape import StepShape
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.train.backward.driver import BackwardDriver, BackwardOutcome, resolve_policy
@@ -48,12 +47,13 @@ from deltaserve.train.optim import OptimizerState
 from deltaserve.train.publish import PublishGuard
 from deltaserve.train.samples import SampleBook
 from deltaserve.train.step import CapturingStep
+from deltaserve.train.trainer_protocol import GrantDelegation
 
 Publish = Callable[[AdapterWeights], None]
 logger = logging.getLogger("deltaserve")
 
 
-class Trainer:
+class Trainer(GrantDelegation):
     def __init__(self, config: CoServeConfig, model: LlamaModel, book: SampleBook, *,
                  base_model: str, publish: Publish | None = None,
                  validation: Sequence[TrainingSample] = ()):
@@ -95,34 +95,6 @@ class Trainer:
         if self.failure is not None:
             return self.backward.busy
         return self.book.has_ready or self.backward.busy or self._validation_due is not None
-
-    # ---- the grant around host steps: the co-server's only way to the backward ------------
-    @property
-    def backward_busy(self) -> bool:
-        """A backward job is in flight (its outcome not yet handled)."""
-        return self.backward.busy
-
-    @property
-    def backward_exclusive(self) -> bool:
-        """The backward computes only while the host waits (idle time and yields)."""
-        return self.backward.exclusive
-
-    @property
-    def backward_layer_s(self) -> float:
-        """The backward's time per layer: the grain at which it yields."""
-        return self.backward.layer_s
-
-    def before_step(self, shape: StepShape) -> None:
-        self.backward.before_step(shape)
-
-    def after_step(self) -> None:
-        self.backward.after_step()
-
-    def release_backward(self) -> None:
-        self.backward.release()
-
-    def lend(self, seconds: float, wake: threading.Event) -> float:
-        return self.backward.lend(seconds, wake)
 
     @property
     def steps_lost(self) -> dict[str, int]:

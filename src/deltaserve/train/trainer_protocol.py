@@ -101,3 +101,60 @@ class CoTrainer(Protocol):
 
 # Builds the training half once the facade has its sample book.
 TrainerFactory = Callable[["CoServeConfig", "SampleBook"], CoTrainer]
+
+
+class BackwardGrant(Protocol):
+    """The grant side of a backward, real (:class:`~deltaserve.train.backward.driver.
+    BackwardDriver`) or simulated (:class:`~deltaserve.hosts.sim.trainer.SimBackward`)."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def exclusive(self) -> bool: ...
+
+    @property
+    def layer_s(self) -> float: ...
+
+    def before_step(self, shape: StepShape) -> None: ...
+
+    def after_step(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def lend(self, seconds: float, wake: threading.Event) -> float: ...
+
+
+class GrantDelegation:
+    """The grant around host steps, the co-server's only way to the backward: a trainer's
+    :class:`CoTrainer` grant methods forwarded to its ``backward`` (one copy for the real and
+    the simulated trainer)."""
+
+    backward: BackwardGrant
+
+    @property
+    def backward_busy(self) -> bool:
+        """A backward job is in flight (its outcome not yet handled)."""
+        return self.backward.busy
+
+    @property
+    def backward_exclusive(self) -> bool:
+        """The backward computes only while the host waits (idle time and yields)."""
+        return self.backward.exclusive
+
+    @property
+    def backward_layer_s(self) -> float:
+        """The backward's time per layer: the grain at which it yields."""
+        return self.backward.layer_s
+
+    def before_step(self, shape: StepShape) -> None:
+        self.backward.before_step(shape)
+
+    def after_step(self) -> None:
+        self.backward.after_step()
+
+    def release_backward(self) -> None:
+        self.backward.release()
+
+    def lend(self, seconds: float, wake: threading.Event) -> float:
+        return self.backward.lend(seconds, wake)

@@ -31,6 +31,7 @@ from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.config import CoServeConfig, GrantPolicy
 from deltaserve.train.events import Listener, OptimizerStep, TrainingEvent
 from deltaserve.train.samples import SampleBook
+from deltaserve.train.trainer_protocol import GrantDelegation
 
 NAN = math.nan
 
@@ -105,7 +106,7 @@ class SimBackward:
         self.device.start_job(JobTiming(t.layers_s * f / n, n, t.head_s * f, t.optimizer_s))
 
 
-class SimTrainer:
+class SimTrainer(GrantDelegation):
     """``replica``: the data-parallel rank whose samples this trainer commits."""
 
     def __init__(self, config: CoServeConfig, book: SampleBook, backward: SimBackward,
@@ -127,34 +128,6 @@ class SimTrainer:
     def steps_lost(self) -> dict[str, int]:
         """A simulated backward loses no step."""
         return {}
-
-    # ---- the grant around host steps: as the real trainer's -------------------------------
-    @property
-    def backward_busy(self) -> bool:
-        """A backward job is in flight (its outcome not yet handled)."""
-        return self.backward.busy
-
-    @property
-    def backward_exclusive(self) -> bool:
-        """The backward computes only while the host waits (idle time and yields)."""
-        return self.backward.exclusive
-
-    @property
-    def backward_layer_s(self) -> float:
-        """The backward's time per layer: the grain at which it yields."""
-        return self.backward.layer_s
-
-    def before_step(self, shape: StepShape) -> None:
-        self.backward.before_step(shape)
-
-    def after_step(self) -> None:
-        self.backward.after_step()
-
-    def release_backward(self) -> None:
-        self.backward.release()
-
-    def lend(self, seconds: float, wake: threading.Event) -> float:
-        return self.backward.lend(seconds, wake)
 
     def step(self, plan: AdmissionPlan, rows: TrainingRows, abortable: bool,
              abort: threading.Event) -> SimStep:

@@ -41,3 +41,17 @@ def test_impossible_slos(ttft, tpot, field):
     with pytest.raises(InputError) as e:
         SLOConfig(ttft, tpot)
     assert e.value.field == field and e.value.value == (ttft if field == "ttft_s" else tpot)
+
+
+def test_ttft_slack_keeps_the_lateness_of_every_step_before_the_first_token():
+    # 250 prompt tokens still queued after this step, 100 per step: three more steps, each may
+    # end 20 ms past its prediction; a request whose first token is this step's keeps none
+    late = [WaitingRequest(arrival_s=10.0, tokens_after_step=250)]
+    assert ttft_slack_s(SLO, 10.0, late, 0.001, 0.020, 100) == pytest.approx(
+        0.4 - 0.25 - 3 * 0.020)
+    now = [WaitingRequest(arrival_s=10.0, tokens_after_step=0)]
+    assert ttft_slack_s(SLO, 10.0, now, 0.001, 0.020, 100) == pytest.approx(0.4)
+    # the tightest request wins after its steps' lateness, not before
+    both = [WaitingRequest(arrival_s=9.99, tokens_after_step=0),
+            WaitingRequest(arrival_s=10.0, tokens_after_step=100)]
+    assert ttft_slack_s(SLO, 10.0, both, 0.0, 0.05, 100) == pytest.approx(0.4 - 0.05)

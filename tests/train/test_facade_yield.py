@@ -12,6 +12,7 @@ from deltaserve.core import SchedulingView, StepShape
 from deltaserve.core.admission import AdmissionPlan, AdmissionScheduler
 from deltaserve.core.contract import StepReport, TrainingRows
 from deltaserve.core.data import TrainingSample
+from deltaserve.core.slo import WaitingRequest
 from deltaserve.core.yield_reserve import YieldReserveConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy
 from deltaserve.train.facade import CoServer
@@ -196,3 +197,25 @@ def test_the_step_after_a_yield_carries_it_and_the_next_does_not():
     assert co.step_yield_s == pytest.approx(0.05)
     run_step(co, 0.0)
     assert co.step_yield_s == 0.0
+
+
+def test_a_waiting_requests_slack_keeps_the_lateness_of_each_step_before_its_first_token():
+    """A TTFT spans every step queued before it: its slack keeps one step's lateness per
+    further step (yields before each of them spent the rest, and a burst's first tokens ran
+    late by the steps' summed lateness)."""
+    co = coserver(quantile=1.0)
+    for _ in range(4):
+        run_step(co, 0.010)  # steps end 10 ms past their predictions
+    step_tokens = co.scheduler.queue_step_tokens(DECODE)
+
+    def queued(arrival_s: float) -> SchedulingView:
+        return SchedulingView(DECODE, now_s=0.0, oldest_decode_token_s=None,
+                              waiting=(WaitingRequest(arrival_s, 3 * step_tokens),))
+
+    # the request arrived when its queue priced at the model's rate leaves 0.3 s of slack
+    arrival_s = 0.3 - co.scheduler.yield_budget_s(queued(0.0))
+    blind = co.scheduler.yield_budget_s(queued(arrival_s))  # no lateness kept for the queue
+    assert blind == pytest.approx(0.3)
+    assert co.yield_budget_s(queued(arrival_s)) == pytest.approx(blind - 0.010 - 3 * 0.010)
+    assert co.yield_budget_s(view()) == pytest.approx(co.scheduler.yield_budget_s(view())
+                                                      - 0.010)  # no queue: one step's

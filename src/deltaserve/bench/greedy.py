@@ -31,8 +31,9 @@ class GreedyScheduler(AdmissionScheduler):
     """Admission blind to Δ; the yields priced as Algorithm 1's scheduler prices them."""
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
-             batch_room_tokens: int | None = None, reserve_s: float = 0.0) -> AdmissionPlan:
-        # blind to Δ, and so to the reserve a yield kept (reserve_s)
+             batch_room_tokens: int | None = None, reserve_s: float = 0.0,
+             late_s_per_step: float = 0.0) -> AdmissionPlan:
+        # blind to Δ, and so to the reserve a yield kept (reserve_s, late_s_per_step)
         proposed = view.proposed
         skip = self._gate(view, backward_running, batch_room_tokens)
         if skip is not None:
@@ -59,5 +60,5 @@ class GreedyScheduler(AdmissionScheduler):
 class GreedyFixedYieldScheduler(GreedyScheduler):
     """:class:`GreedyScheduler` whose yields are blind to Δ too: the longest one allowed."""
 
-    def yield_budget_s(self, view: SchedulingView) -> float:
+    def yield_budget_s(self, view: SchedulingView, *, late_s_per_step: float = 0.0) -> float:
         return math.inf  # the co-server caps it at max_yield_s

@@ -42,7 +42,7 @@ class LLMStationScheduler(AdmissionScheduler):
                           ft_lens=(key[1],) if key[1] else ())
         return self.model.predict(shape)
 
-    def yield_budget_s(self, view: SchedulingView) -> float:
+    def yield_budget_s(self, view: SchedulingView, *, late_s_per_step: float = 0.0) -> float:
         """Backward tasklets run beside decode iterations while the decode objective allows,
         priced by the same lookup; queued requests' TTFT is not considered."""
         p = view.proposed
@@ -56,8 +56,10 @@ class LLMStationScheduler(AdmissionScheduler):
             self.cache[(shape.num_decode, _bucket(shape.num_ft_tokens))] = seconds
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
-             batch_room_tokens: int | None = None, reserve_s: float = 0.0) -> AdmissionPlan:
-        # LLMStation prices by its own lookup: DeltaServe's yield reserve (reserve_s) plays no part
+             batch_room_tokens: int | None = None, reserve_s: float = 0.0,
+             late_s_per_step: float = 0.0) -> AdmissionPlan:
+        # LLMStation prices by its own lookup: DeltaServe's yield reserve (reserve_s,
+        # late_s_per_step) plays no part
         proposed = view.proposed
         skip = self._precheck(view, backward_running)
         if skip is None and proposed.prefill_lens:

@@ -149,16 +149,18 @@ class AdmissionScheduler:
         """A step ran. Algorithm 1 learns through the latency model; other policies (the
         LLMStation baseline's latency cache) override this."""
 
-    def yield_budget_s(self, view: SchedulingView) -> float:
+    def yield_budget_s(self, view: SchedulingView, *, late_s_per_step: float = 0.0) -> float:
         """Seconds the host could pause before running ``view.proposed`` and still meet every
         request's SLO: Δ (only ``tpot_slack_spend_fraction`` of the TPOT slack, as admission
         counts it: :meth:`spendable_delta_s`) less the step's margin-inflated prediction. Only
-        ``full`` mode spends slack on training; ``temp`` trains in idle time alone."""
+        ``full`` mode spends slack on training; ``temp`` trains in idle time alone.
+        ``late_s_per_step``: see :meth:`budget`."""
         if self.config.mode is not AdmissionMode.FULL or not self.model.is_calibrated:
             return 0.0
         if not view.proposed.has_inference:
             return 0.0
-        return (self.spendable_delta_s(self.budget(view), view.proposed)
+        return (self.spendable_delta_s(self.budget(view, late_s_per_step=late_s_per_step),
+                                       view.proposed)
                 - self.model.predict_upper(view.proposed))
 
     def spendable_delta_s(self, budget: StepBudget, proposed: StepShape) -> float:
@@ -172,6 +174,13 @@ class AdmissionScheduler:
             tpot_s -= (1.0 - f) * max(0.0, tpot_s - self.model.predict_upper(proposed))
         return min(budget.ttft_slack_s, tpot_s)
 
+    def queue_step_tokens(self, proposed: StepShape) -> int:
+        """Queued prompt tokens one full step takes: on a mixed-batching host the requests
+        decoding now ride in each such step and take their share of its tokens."""
+        mixed = self.limits.batching is not Batching.PHASE_SEPARATED
+        d = proposed.num_decode if mixed else 0
+        return max(1, self.limits.max_tokens_per_step - d)
+
     def queue_s_per_token(self, proposed: StepShape) -> float:
         """Predicted seconds per queued prompt token: a full step's margin-inflated prediction
         over the prompt tokens it takes. On a mixed-batching host the requests decoding now
@@ -182,12 +191,16 @@ class AdmissionScheduler:
         key = (self.model.version, d, proposed.kv_tokens if d else 0)
         cached, rate = self._queue_rate
         if cached != key:
-            n = max(1, self.limits.max_tokens_per_step - d)
+            n = self.queue_step_tokens(proposed)
             rate = self.model.predict_upper(StepShape((n,), num_decode=d, kv_tokens=key[2])) / n
             self._queue_rate = (key, rate)
         return rate
 
-    def budget(self, view: SchedulingView) -> StepBudget:
+    def budget(self, view: SchedulingView, *, late_s_per_step: float = 0.0) -> StepBudget:
+        """The step's TTFT and TPOT slack. ``late_s_per_step``: how late recent steps ended
+        past their margin-inflated predictions (the yield reserve's lateness; 0 where the host
+        measures none); a waiting request's TTFT slack keeps it back for every further step it
+        waits through before its first token (:func:`~deltaserve.core.slo.ttft_slack_s`)."""
         rate = self.queue_s_per_token(view.proposed)
         deferred = 0.0
         if view.deferred_decode is not None and self.limits.batching is Batching.PHASE_SEPARATED:
@@ -196,7 +209,8 @@ class AdmissionScheduler:
             queued = max((w.tokens_after_step for w in view.waiting), default=0)
             deferred = self.model.predict_upper(view.deferred_decode) + rate * queued
         return StepBudget(
-            ttft_slack_s(self.slo, view.now_s, view.waiting, rate),
+            ttft_slack_s(self.slo, view.now_s, view.waiting, rate, late_s_per_step,
+                         self.queue_step_tokens(view.proposed)),
             tpot_slack_s(self.slo, view.now_s, view.oldest_decode_token_s, deferred),
         )
 
@@ -219,7 +233,8 @@ class AdmissionScheduler:
         return room_tokens, room_seqs, batch_room
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
-             batch_room_tokens: int | None = None, reserve_s: float = 0.0) -> AdmissionPlan:
+             batch_room_tokens: int | None = None, reserve_s: float = 0.0,
+             late_s_per_step: float = 0.0) -> AdmissionPlan:
         """Admit samples into ``view.proposed``.
 
         ``backward_running``: the backward process is busy with the previous batch.
@@ -228,12 +243,14 @@ class AdmissionScheduler:
         sample of a batch is forwarded with the adapter the backward will differentiate.
         ``reserve_s``: seconds of Δ the step must leave unspent (after a yield to the backward,
         the reserve the yield kept for the step's lateness: :mod:`deltaserve.core.yield_reserve`).
+        ``late_s_per_step``: kept back for each later step a waiting request waits through
+        (:meth:`budget`).
         """
         proposed = view.proposed
         skip = self._gate(view, backward_running, batch_room_tokens)
         if skip is not None:
             return AdmissionPlan((), proposed, None, math.nan, skip)
-        budget = self.budget(view)
+        budget = self.budget(view, late_s_per_step=late_s_per_step)
         pricer = self.model.ft_pricer(proposed)
         assert pricer is not None  # _precheck: calibrated
         base_s = pricer.upper_s(0, 0) if proposed.has_inference else 0.0

@@ -56,11 +56,20 @@ class StepBudget:
 
 
 def ttft_slack_s(slo: SLOConfig, now_s: float, waiting: Sequence[WaitingRequest],
-                 queue_s_per_token: float) -> float:
-    """Tightest Eq. III slack over waiting requests; queue wait priced per remaining token."""
+                 queue_s_per_token: float, late_s_per_step: float = 0.0,
+                 tokens_per_step: int = 1) -> float:
+    """Tightest Eq. III slack over waiting requests; queue wait priced per remaining token.
+
+    ``late_s_per_step``: how late a step may end past its margin-inflated prediction, kept
+    back once for every further step a request waits through before its first token (its
+    ``tokens_after_step`` in steps of ``tokens_per_step`` prompt tokens). A TTFT spans every
+    step queued before it, so their lateness adds up; one step's reserve covers one step."""
     if not waiting:
         return math.inf
-    tightest = min(w.arrival_s - queue_s_per_token * w.tokens_after_step for w in waiting)
+    step_tokens = max(1, tokens_per_step)
+    tightest = min(w.arrival_s - queue_s_per_token * w.tokens_after_step
+                   - late_s_per_step * -(-w.tokens_after_step // step_tokens)
+                   for w in waiting)
     return slo.ttft_s - now_s + tightest
 
 

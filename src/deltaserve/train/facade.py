@@ -128,7 +128,8 @@ class CoServer:
             plan = AdmissionPlan((), view.proposed, None, math.nan, Skip.OFF)
         else:
             plan = self.scheduler.plan(view, backward_running=t.backward_busy,
-                                       batch_room_tokens=room, reserve_s=reserve_s)
+                                       batch_room_tokens=room, reserve_s=reserve_s,
+                                       late_s_per_step=self._late_s_per_step())
         if plan.skip is not None:
             self._skips[plan.skip.value] += 1
         if plan.sample_ids:
@@ -182,8 +183,18 @@ class CoServer:
         if not (t.backward_exclusive and b.yield_to_backward and t.backward_busy):
             return 0.0
         # the backward stops at a layer boundary: the reserve is at least two layers
-        return self._reserve.budget_s(self.scheduler.yield_budget_s(view),
-                                      2 * t.backward_layer_s, b.max_yield_s)
+        slack_s = self.scheduler.yield_budget_s(view, late_s_per_step=self._late_s_per_step())
+        return self._reserve.budget_s(slack_s, 2 * t.backward_layer_s, b.max_yield_s)
+
+    def _late_s_per_step(self) -> float:
+        """How late recent inference steps ended past their predictions (the yield reserve's
+        lateness, without the layer-boundary floor that only the step after a yield pays),
+        kept back for each step a waiting request still waits through before its first
+        token; 0 where the host does not yield, or before the reserve has seen enough steps.
+        (A TTFT spans several steps: a burst's queue waited through up to five, each after a
+        yield, and their lateness added up past the TTFT objective; see docs/log.md.)"""
+        late_s = self._reserve.reserve_s(0.0)
+        return late_s if math.isfinite(late_s) else 0.0
 
     def _upper_s(self, report: StepReport) -> float | None:
         """The margin-inflated prediction of an inference step that ran whole, before the

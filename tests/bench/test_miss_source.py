@@ -2,8 +2,9 @@
 
 import pytest
 
-from deltaserve.bench.miss_source import MissSources, miss_sources
+from deltaserve.bench.miss_source import LateEvent, miss_sources
 from deltaserve.bench.outcome import Commit
+from deltaserve.bench.repeats import _total_misses
 from deltaserve.bench.score import binding, comparisons, score_run
 from deltaserve.bench.systems import parse_systems
 from deltaserve.core import SLOConfig, StepShape
@@ -33,11 +34,32 @@ MISSED = [True, True, True, False, True, True]
 
 def test_each_missed_request_is_attributed_by_the_steps_that_emitted_its_late_tokens():
     got = miss_sources(RECORDS, STEPS, SLO, MISSED)
-    assert got == MissSources(missed=5, after_yield=3, no_yield=1, unattributed=1)
+    assert (got.missed, got.after_yield, got.no_yield, got.unattributed) == (5, 3, 1, 1)
     assert got.describe() == "5 missed (3 on a step after a yield, 1 not, 1 unattributed)"
     # the same timeline without yields: every attributed miss is the steps' own
     plain = [step(s.t_s) for s in STEPS]
-    assert miss_sources(RECORDS, plain, SLO, MISSED) == MissSources(5, 0, 4, 1)
+    got = miss_sources(RECORDS, plain, SLO, MISSED)
+    assert (got.missed, got.after_yield, got.no_yield, got.unattributed) == (5, 0, 4, 1)
+
+
+def test_each_late_event_says_what_its_span_held():
+    events = {(e.request, e.event): e for e in miss_sources(RECORDS, STEPS, SLO, MISSED).events}
+    assert set(events) == {(0, "ttft"), (1, "tpot"), (2, "ttft"), (5, "ttft"), (5, "tpot")}
+    # request 0 waited 2.05 s: the steps ending at 1 and 2 (0.5 s each, 0.3 s lent before the
+    # second), and 0.75 s of neither
+    assert events[0, "ttft"] == LateEvent(0, "ttft", 1050.0, 2.05, 2, 1.0, 0.3, 0, 0.75)
+    # request 1's gap from 3 to 4 s: the step ending at 4 and the 0.2 s lent before it
+    assert events[1, "tpot"] == LateEvent(1, "tpot", 500.0, 1.0, 1, 0.5, 0.2, 0, 0.3)
+    # request 2 arrived at 0.5 s, inside the step ending at 1: only its part after counts
+    e = events[2, "ttft"]
+    assert (e.steps, e.step_s, e.yielded_s) == (3, pytest.approx(1.5), pytest.approx(0.3))
+
+
+def test_repeats_add_up_their_misses_and_keep_each_events_repeat():
+    one = miss_sources(RECORDS, STEPS, SLO, MISSED)
+    total = _total_misses([one, one])
+    assert (total.missed, total.after_yield, total.no_yield) == (10, 6, 2)
+    assert [e.repeat for e in total.events] == [0] * 5 + [1] * 5
 
 
 def test_steps_that_overlap_in_time_are_not_one_timeline():
@@ -53,7 +75,8 @@ def test_the_verdict_says_where_each_system_missed():
     scores = {"inference-only": score_run(PILOT, slo, BASE),
               "deltaserve": score_run(run(SPECS["deltaserve"], OK, commits), slo, BASE),
               "greedy": score_run(run(SPECS["greedy"], late, commits, steps=lent), slo, BASE)}
-    assert scores["greedy"].misses == MissSources(10, 10, 0, 0)
+    m = scores["greedy"].misses
+    assert (m.missed, m.after_yield, m.no_yield, m.unattributed) == (10, 10, 0, 0)
     assert scores["greedy"].as_json()["misses"]["after_yield"] == 10
     b = binding(scores)
     assert b.binds is True

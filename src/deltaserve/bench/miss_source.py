@@ -30,15 +30,39 @@ _OVERLAP_TOLERANCE_S = 1e-6
 
 
 @dataclass(frozen=True)
+class LateEvent:
+    """One late event of a missed request, for a per-request diagnosis. ``event``: ``ttft``
+    (its span runs from the request's arrival to its first token) or ``tpot`` (its longest
+    gap between two tokens); ``late_ms``: the span less the objective. Over the span: the
+    ``steps`` that ended in it and the ``step_s`` of them inside it, ``yielded_s`` lent to the
+    backward before those steps, the ``ft_tokens`` they carried, and ``other_s``, the rest
+    (the host between steps: the wait for the backward to stop, scheduling, idle time).
+    ``repeat``: the run's index among a system's repeats."""
+
+    request: int
+    event: str
+    late_ms: float
+    span_s: float
+    steps: int
+    step_s: float
+    yielded_s: float
+    ft_tokens: int
+    other_s: float
+    repeat: int = 0
+
+
+@dataclass(frozen=True)
 class MissSources:
     """``missed`` requests: ``after_yield`` with a late event ended by a step a yield preceded,
     ``no_yield`` with none, ``unattributed`` with no step at or before the late token (or no
-    token at all: a request that never started or never finished in time)."""
+    token at all: a request that never started or never finished in time). ``events``: every
+    late event, with what its span held."""
 
     missed: int
     after_yield: int
     no_yield: int
     unattributed: int
+    events: tuple[LateEvent, ...] = ()
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -50,17 +74,33 @@ class MissSources:
         return f"{self.missed} missed ({', '.join(parts)})"
 
 
-def _late_token_times(rec: RequestRecord, slo: SLOConfig) -> list[float]:
-    """The times of the tokens that ended ``rec``'s late events (its first token when TTFT is
-    late, the end of its longest gap when TPOT is)."""
+def _late_spans(rec: RequestRecord, slo: SLOConfig) -> list[tuple[str, float, float, float]]:
+    """``rec``'s late events as (event, start, end, objective): its arrival to its first token
+    when TTFT is late, its longest gap when TPOT is. Each ends with the token that was late."""
     times = rec.token_times_s
     out = []
     if rec.ttft_s is not None and rec.ttft_s > slo.ttft_s:
-        out.append(times[0])
+        out.append(("ttft", rec.scheduled_s, times[0], slo.ttft_s))
     if rec.max_tpot_s > slo.tpot_s:
-        _, end = max(itertools.pairwise(times), key=lambda gap: gap[1] - gap[0])
-        out.append(end)
+        start, end = max(itertools.pairwise(times), key=lambda gap: gap[1] - gap[0])
+        out.append(("tpot", start, end, slo.tpot_s))
     return out
+
+
+def _late_event(request: int, span: tuple[str, float, float, float],
+                ordered: Sequence[StepRecord], ends: list[float]) -> LateEvent:
+    """What the steps that ended inside ``span`` held (a step that began before the span
+    counts the part inside it; its yield, which came before it began, does not count)."""
+    event, t0, t1, objective_s = span
+    lo, hi = bisect.bisect_right(ends, t0), bisect.bisect_right(ends, t1)
+    inside = ordered[lo:hi]
+    step_s = sum(min(s.seconds, s.t_s - t0) for s in inside)
+    yielded_s = sum(s.yielded_s for s in inside if s.t_s - s.seconds >= t0)
+    span_s = t1 - t0
+    return LateEvent(request, event, round((span_s - objective_s) * 1e3, 3), round(span_s, 6),
+                     len(inside), round(step_s, 6), round(yielded_s, 6),
+                     sum(s.ft_tokens for s in inside),
+                     round(max(0.0, span_s - step_s - yielded_s), 6))
 
 
 def _one_timeline(steps: Sequence[StepRecord]) -> bool:
@@ -77,15 +117,18 @@ def miss_sources(records: Sequence[RequestRecord], steps: Sequence[StepRecord],
         return None
     ends = [s.t_s for s in ordered]
     after = none = unattributed = 0
+    events: list[LateEvent] = []
     for rec, miss in zip(records, missed, strict=True):
         if not miss:
             continue
-        found = [ordered[i - 1] for t in _late_token_times(rec, slo)
-                 if (i := bisect.bisect_right(ends, t)) > 0]
+        spans = _late_spans(rec, slo)
+        events += [_late_event(rec.index, span, ordered, ends) for span in spans]
+        found = [ordered[i - 1] for span in spans
+                 if (i := bisect.bisect_right(ends, span[2])) > 0]
         if not found:
             unattributed += 1
         elif any(s.yielded_s > 0 for s in found):
             after += 1
         else:
             none += 1
-    return MissSources(after + none + unattributed, after, none, unattributed)
+    return MissSources(after + none + unattributed, after, none, unattributed, tuple(events))

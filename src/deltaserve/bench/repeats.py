@@ -29,7 +29,11 @@ def _total_misses(per_run: Sequence[MissSources | None]) -> MissSources | None:
     attribution: its steps were not one timeline)."""
     if any(m is None for m in per_run):
         return None
-    return MissSources(*(sum(getattr(m, f.name) for m in per_run) for f in fields(MissSources)))
+    present = [m for m in per_run if m is not None]
+    counts = [f.name for f in fields(MissSources) if f.name != "events"]
+    return MissSources(*(sum(getattr(m, name) for m in present) for name in counts),
+                       events=tuple(replace(e, repeat=k) for k, m in enumerate(present)
+                                    for e in m.events))
 
 
 def median_metrics(runs: Sequence[M.SystemMetrics]) -> M.SystemMetrics:

@@ -79,6 +79,23 @@ def _sweep_html(doc: dict) -> str:
               'against each scale\'s SLO.</p><img src="sweep.png">')
 
 
+def _late_events_html(doc: dict) -> str:
+    """Every missed request's late events, per system: what the late span held."""
+    rows = [[n, str(e["repeat"] + 1), str(e["request"]), e["event"], f"{e['late_ms']:.0f}",
+             f"{e['span_s']:.2f}", str(e["steps"]), f"{e['step_s']:.2f}",
+             f"{e['yielded_s']:.2f}", str(e["ft_tokens"]), f"{e['other_s']:.2f}"]
+            for n, s in doc["systems"].items() for e in (s.get("misses") or {}).get("events", [])]
+    if not rows:
+        return ""
+    head = ("system", "repeat", "request", "event", "late (ms)", "span (s)", "steps",
+            "in steps (s)", "lent before them (s)", "FT tokens", "other (s)")
+    return ("<h2>Missed requests</h2><p>Each late event's span (arrival to first token, or the "
+            "longest gap between tokens) and what it held: the steps that ended in it, the "
+            "time lent to the backward before them, the fine-tuning tokens they carried, and "
+            "the rest (waits for the backward to stop, scheduling, idle).</p>"
+            + _table(head, rows))
+
+
 def _window_text(doc: dict) -> str:
     w = doc.get("window_s")
     if w is None:
@@ -140,6 +157,7 @@ request's scheduled arrival to its last token.</p>
 {_padding_text(doc)}
 <p>{LATENCY_TEXT.format(k=k, min_ms=doc['config']['latency_error_min_ms'])}</p>
 {_table(('system', 'mode', 'online MAPE (steps)', 'held-out MAPE (steps)'), _latency_rows(doc))}
+{_late_events_html(doc)}
 {_sweep_html(doc)}
 <h2>Start-up calibration</h2><ul>{cal}</ul>
 {_provenance_html(doc)}

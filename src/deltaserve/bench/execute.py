@@ -2,47 +2,52 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.coserve_config import BenchTraining, coserve_config, system_grant
 from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_mode
 from deltaserve.bench.outcome import Commit, HardwareShare, SystemRun
 from deltaserve.bench.prepare import BenchData, make_host
 from deltaserve.bench.replay import PromptSource, replay
 from deltaserve.bench.split_pool import StandaloneTrainer
 from deltaserve.bench.systems import SystemSpec
-from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.requests import SamplingParams
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.base import BaseHost
 from deltaserve.model.loading import resolve_model
 from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest
-from deltaserve.train.config import CoServeConfig, GrantPolicy
+from deltaserve.train.config import GrantPolicy
 from deltaserve.train.events import OptimizerStep, TrainingEvent
 from deltaserve.train.facade import CoServer
 from deltaserve.workloads.trace import Trace
 
 
-def grant_policy(cfg: BenchConfig) -> GrantPolicy:
-    """The co-server's default (``auto``: ``prefill`` on a GPU, ``exclusive`` on a CPU): every
-    co-serving host keeps the whole machine, as the pilot that set the SLO had it, and trains
-    in its idle time and in the slack it lends. (``partition``, the backward on a core of its
-    own, leaves inference one core of two on this machine: no system meets a two-core pilot's
-    SLO on one, split-pool included; see the README.)"""
-    policy = cfg.backward.grant_policy
-    if policy is GrantPolicy.AUTO and cfg.engine.device_type == "cuda":
-        return GrantPolicy.PREFILL
-    return policy
+def host_grant(cfg: BenchConfig) -> GrantPolicy:
+    """The host's grant for a system that names none (``auto``: ``prefill`` on a GPU, the
+    co-server's own on a CPU, ``exclusive``): every co-serving host keeps the whole machine, as
+    the pilot that set the SLO had it, and trains in its idle time and in the slack it lends.
+    (``partition``, the backward on a core of its own, leaves inference one core of two on
+    this machine: no system meets a two-core pilot's SLO on one, split-pool included; see the
+    README.)"""
+    return GrantPolicy.PREFILL if cfg.engine.device_type == "cuda" else GrantPolicy.AUTO
+
+
+def grant_policy(cfg: BenchConfig, spec: SystemSpec) -> GrantPolicy:
+    """``spec``'s grant: the bench's ``--backward-grant-policy``, else the system's, else the
+    host's (:func:`~deltaserve.bench.coserve_config.system_grant`)."""
+    return system_grant(spec, cfg.backward.grant_policy, host_grant(cfg))
 
 
 def hardware_share(cfg: BenchConfig, spec: SystemSpec, threads: int) -> HardwareShare:
-    """Split-pool, and co-serving on partitioned cores, give training its own cores (the
-    backward's ``threads``, default 1) and the host the rest; everything else gives the host
-    every core."""
-    partitioned = spec.coserve and grant_policy(cfg) is GrantPolicy.PARTITION
-    if spec.split_pool or partitioned:
-        host = max(1, threads - (cfg.backward.threads or 1))
+    """A standalone trainer (``spec.trainer_replicas``: split-pool's), and a co-serving
+    backward on partitioned cores, get their own threads (the backward's ``threads``, default
+    1, per replica) and the host the rest; everything else gives the host every core."""
+    partitioned = spec.coserve and grant_policy(cfg, spec) is GrantPolicy.PARTITION
+    replicas = max(spec.trainer_replicas, int(partitioned))
+    if replicas:
+        host = max(1, threads - replicas * (cfg.backward.threads or 1))
         return HardwareShare(threads, host, threads - host)
     return HardwareShare(threads, threads, 0)
 
@@ -51,19 +56,14 @@ def host_threads(cfg: BenchConfig, spec: SystemSpec, threads: int) -> int:
     return hardware_share(cfg, spec, threads).host
 
 
-def _coserve_config(cfg: BenchConfig, spec: SystemSpec, slo: SLOConfig, root: Path
-                    ) -> CoServeConfig:
-    pipeline = cfg.pipeline or spec.pipeline
-    b = cfg.backward
-    backward = replace(b, grant_policy=grant_policy(cfg),
-                       buffer_tokens=b.buffer_tokens or (
-                           3 * b.batch_tokens + cfg.engine.max_num_batched_tokens
-                           if pipeline else None))
-    return CoServeConfig(
-        slo=slo, admission=AdmissionConfig(mode=spec.mode, admit_during_backward=pipeline),
-        lora=cfg.lora, optimizer=cfg.optimizer, backward=backward,
-        checkpoint=CheckpointConfig(root=str(root), every_steps=10**9, resume=False),
-        interrupt=spec.interrupt, num_epochs=None, seed=cfg.seed)
+def bench_training(cfg: BenchConfig, slo: SLOConfig, root: Path) -> BenchTraining:
+    """What the CPU bench gives every co-serving system: its checkpoints under ``root``
+    (never written during the run; the bench saves one at detach)."""
+    return BenchTraining(slo=slo, lora=cfg.lora, optimizer=cfg.optimizer, backward=cfg.backward,
+                         max_step_tokens=cfg.engine.max_num_batched_tokens, seed=cfg.seed,
+                         pipeline=cfg.pipeline, host_grant=host_grant(cfg),
+                         checkpoint=CheckpointConfig(root=str(root), every_steps=10**9,
+                                                     resume=False))
 
 
 def _commits(co: CoServer) -> list[Commit]:
@@ -130,10 +130,11 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
         if spec.coserve:
             assert slo is not None, "a co-serving system needs an SLO"
             co = host.attach(dataset=inputs.data.samples,
-                             config=_coserve_config(cfg, spec, slo, root), latency_model=lm,
+                             config=coserve_config(spec, bench_training(cfg, slo, root)),
+                             latency_model=lm,
                              scheduler_cls=spec.scheduler_cls, progress=False)
             commits = _commits(co)
-        if spec.split_pool:
+        if spec.trainer_replicas:  # split-pool: the standalone trainer on its reserved share
             trainer = StandaloneTrainer(str(resolve_model(cfg.engine.model)),
                                         inputs.data.samples, cfg.lora, cfg.optimizer,
                                         cfg.backward.batch_tokens, threads=share.reserved,

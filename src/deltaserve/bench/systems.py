@@ -30,9 +30,10 @@ class SystemSpec:
     backward batch while the backward runs (Algorithm 1 waits for it), at one optimizer step of
     staleness in the captured activations. ``pair``: the system it is reported beside.
     ``slo_aware``: its behaviour depends on the SLO (an SLO sweep reruns it per SLO; the others
-    run once and are scored against each). ``grant``: how its backward shares the device where
-    the host models more than one way (the simulated GPU); ``auto``: the host's own (the bench's
-    ``--backward-grant-policy``, else the host's default), the same for every system."""
+    run once and are scored against each). ``grant``: how its backward shares the device;
+    both benches read it (:func:`deltaserve.bench.coserve_config.system_grant`): the bench's
+    ``--backward-grant-policy`` where given, else this, else (``auto``) the host's default, the
+    same for every system that names none."""
 
     name: str
     coserve: bool = False
@@ -45,8 +46,18 @@ class SystemSpec:
     slo_aware: bool = False
     grant: GrantPolicy = GrantPolicy.AUTO
 
+    @property
+    def trainer_replicas(self) -> int:
+        """How much of the machine a standalone trainer holds away from the host for the whole
+        run, in replicas: one GPU group of ``tp`` GPUs on the simulated host, the backward's
+        threads (``--backward-threads``, default 1) on a CPU. One for split-pool, none for the
+        others (co-serving trains in the host's share). Both benches size the host, the
+        trainer and the hardware share the harvest is charged from this alone."""
+        return 1 if self.split_pool else 0
 
-_SPECS = {s.name: s for s in (
+
+# every compared system by name; a new system is one entry here (docs/architecture.md)
+SPECS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec(PILOT),
     SystemSpec("deltaserve", coserve=True, pair="llmstation", slo_aware=True),
     SystemSpec("llmstation", coserve=True, scheduler_cls=LLMStationScheduler, pair="deltaserve",
@@ -66,16 +77,16 @@ _SPECS = {s.name: s for s in (
     SystemSpec("deltaserve-no-interrupt", coserve=True, interrupt=False, pair="deltaserve",
                slo_aware=True),
 )}
-SYSTEMS = tuple(_SPECS)
+SYSTEMS = tuple(SPECS)  # the built-in systems
 
 
 def parse_systems(text: str) -> tuple[SystemSpec, ...]:
     """The listed systems, with the pilot (inference-only) first whether listed or not: the
     SLO and the idle capacity are measured on it."""
     names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [n for n in names if n not in _SPECS]
+    unknown = [n for n in names if n not in SPECS]
     if unknown or not names:
-        raise InputError("systems", text, f"choose from {', '.join(SYSTEMS)}")
+        raise InputError("systems", text, f"choose from {', '.join(SPECS)}")
     if len(set(names)) != len(names):
         raise InputError("systems", text, "a system is listed twice")
-    return (_SPECS[PILOT], *(_SPECS[n] for n in names if n != PILOT))
+    return (SPECS[PILOT], *(SPECS[n] for n in names if n != PILOT))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from deltaserve.bench.coserve_config import BenchTraining, coserve_config, system_grant
 from deltaserve.bench.outcome import Commit
 from deltaserve.bench.score import HarvestBase
 from deltaserve.bench.sim.config import SimBenchConfig
@@ -21,7 +22,6 @@ from deltaserve.bench.sim.score import (
 )
 from deltaserve.bench.sim.systems import sim_systems
 from deltaserve.bench.systems import PILOT, SystemSpec
-from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.calibration import CalibrationConfig, HostLimits
 from deltaserve.core.errors import require
 from deltaserve.core.latency_model import LatencyModel
@@ -36,7 +36,7 @@ from deltaserve.hosts.sim.fleet import CoServing, Fleet
 from deltaserve.hosts.sim.hardware import SimHardware, gpu_hardware
 from deltaserve.hosts.sim.modelled import ModelledParams
 from deltaserve.hosts.sim.profiles import GpuProfiles, load_profiles
-from deltaserve.train.config import CoServeConfig, GrantPolicy
+from deltaserve.train.config import GrantPolicy
 from deltaserve.workloads.trace import Trace
 
 ABLATION_SYSTEMS = "inference-only,deltaserve,deltaserve-temp,deltaserve-no-interrupt"
@@ -99,24 +99,16 @@ def grant_policy(setup: SimSetup, spec: SystemSpec) -> GrantPolicy:
     (``prefill``: DeltaServe's separate backward process that overlaps decode steps and parks
     at a layer boundary for prefills). Every system but ``llmstation-exclusive`` runs under the
     same grant, so each reported pair differs in one thing."""
-    b = setup.cfg.backward.grant_policy
-    if b is not GrantPolicy.AUTO:
-        return b
-    return setup.hw.policy if spec.grant is GrantPolicy.AUTO else spec.grant
+    return system_grant(spec, setup.cfg.backward.grant_policy, setup.hw.policy)
 
 
-def coserve_config(setup: SimSetup, spec: SystemSpec) -> CoServeConfig:
-    """As the CPU bench configures a co-serving system: a pipelined one gets buffer room for
-    the next batch while the backward reads this one."""
-    cfg, b = setup.cfg, setup.cfg.backward
-    buffer = b.buffer_tokens or (3 * b.batch_tokens + cfg.engine.max_num_batched_tokens
-                                 if spec.pipeline else None)
-    return CoServeConfig(
-        slo=setup.slo, admission=AdmissionConfig(mode=spec.mode,
-                                                 admit_during_backward=spec.pipeline),
-        lora=cfg.lora, optimizer=cfg.optimizer,
-        backward=replace(b, buffer_tokens=buffer, grant_policy=grant_policy(setup, spec)),
-        interrupt=spec.interrupt, num_epochs=None, seed=cfg.seed)
+def bench_training(setup: SimSetup) -> BenchTraining:
+    """What the simulated bench gives every co-serving system, as the CPU bench does (the
+    simulated trainer writes no checkpoint; there is no bench-wide ``--pipeline``)."""
+    cfg = setup.cfg
+    return BenchTraining(slo=setup.slo, lora=cfg.lora, optimizer=cfg.optimizer,
+                         backward=cfg.backward, max_step_tokens=cfg.engine.max_num_batched_tokens,
+                         seed=cfg.seed, host_grant=setup.hw.policy)
 
 
 def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace) -> SimOutcome:
@@ -125,16 +117,17 @@ def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace) -
     window's end however early its requests drained; later commits are not counted)."""
     cfg, hw = setup.cfg, setup.hw
     window_s = cfg.window_s(trace.duration_s)
-    serving = replicas - 1 if spec.split_pool else replicas
+    serving = replicas - spec.trainer_replicas
     fleet = Fleet(hw, replace(cfg.engine, seed=cfg.seed), serving, cfg.router, seed=cfg.seed)
     if spec.coserve:
-        fleet.coserve(CoServing(coserve_config(setup, spec), setup.latency, setup.data.samples,
-                                spec.scheduler_cls, setup.allreduce_s(replicas)))
+        fleet.coserve(CoServing(coserve_config(spec, bench_training(setup)), setup.latency,
+                                setup.data.samples, spec.scheduler_cls,
+                                setup.allreduce_s(replicas)))
     run = fleet.replay(trace, min_end_s=window_s)
     # every replica commits its own share of a global step: its tokens and samples (packed)
     commits = [Commit(c.at_s, c.num_tokens, len(c.sample_ids), c.num_tokens)
                for c in run.commits]
-    if spec.split_pool:
+    if spec.trainer_replicas:  # split-pool: the standalone trainer on its reserved replica
         commits = [Commit(s.at_s, s.num_tokens, s.num_samples, s.num_tokens)
                    for s in standalone.train(hw, setup.data.samples, cfg.backward.batch_tokens,
                                              run.end_s, seed=cfg.seed)]
@@ -147,8 +140,9 @@ def run_systems(setup: SimSetup, specs: tuple[SystemSpec, ...], replicas: int, t
                 ) -> dict[str, SimOutcome]:
     out = {}
     for spec in specs:
-        if spec.split_pool and replicas < 2:
-            log(setup.cfg, f"{spec.name}: needs 2 GPU groups or more (one trains); skipped")
+        if replicas <= spec.trainer_replicas:
+            log(setup.cfg, f"{spec.name}: needs {spec.trainer_replicas + 1} GPU groups or more "
+                           f"({spec.trainer_replicas} to train); skipped")
             continue
         out[spec.name] = o = run_system(setup, spec, replicas, trace)
         log(setup.cfg, f"{spec.name}: {o.fleet.end_s:.0f} simulated s in "

@@ -63,10 +63,11 @@ def latency_errors(fleet: FleetRun) -> tuple[ModeError, ...]:
 
 
 def hardware_share(spec: SystemSpec, replicas: int, tp: int) -> HardwareShare:
-    """Every system has ``replicas`` × ``tp`` GPUs; split-pool reserves one replica's for its
-    trainer, every other system gives the host all of them (training shares them)."""
+    """Every system has ``replicas`` × ``tp`` GPUs; a standalone trainer (split-pool's)
+    reserves ``spec.trainer_replicas`` replicas' worth, every other system gives the host all
+    of them (training shares them)."""
     gpus = replicas * tp
-    reserved = tp if spec.split_pool else 0
+    reserved = tp * spec.trainer_replicas
     return HardwareShare(gpus, gpus - reserved, reserved)
 
 

@@ -12,24 +12,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deltaserve.bench.systems import SYSTEMS, SystemSpec, parse_systems
+from deltaserve.bench.systems import SPECS, SYSTEMS, SystemSpec
 from deltaserve.core.errors import InputError
 from deltaserve.train.config import GrantPolicy
 
 ALIASES = {"deltaserve-nointerrupt": "deltaserve-no-interrupt"}
 LLMSTATION_OWN = "llmstation-exclusive"
-SIM_ONLY = {LLMSTATION_OWN: replace(parse_systems("llmstation")[-1], name=LLMSTATION_OWN,
+SIM_ONLY = {LLMSTATION_OWN: replace(SPECS["llmstation"], name=LLMSTATION_OWN,
                                     grant=GrantPolicy.EXCLUSIVE, pair="llmstation")}
-SIM_SYSTEM_NAMES = (*SYSTEMS, *SIM_ONLY)
+SIM_SYSTEM_NAMES = (*SYSTEMS, *SIM_ONLY)  # the built-in ones
 
 
 def sim_systems(text: str) -> tuple[SystemSpec, ...]:
     """The listed systems in order, each once (the pilot only where listed: a sensitivity
-    point needs none)."""
+    point needs none): any of :data:`~deltaserve.bench.systems.SPECS` (read when called, so a
+    system added there runs here too) or of :data:`SIM_ONLY`."""
+    known = SPECS | SIM_ONLY
     names = [ALIASES.get(n.strip(), n.strip()) for n in text.split(",") if n.strip()]
     if not names or len(set(names)) != len(names):
         raise InputError("systems", text, "list each system once")
-    unknown = [n for n in names if n not in SIM_SYSTEM_NAMES]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise InputError("systems", text, f"choose from {', '.join(SIM_SYSTEM_NAMES)}")
-    return tuple(SIM_ONLY[n] if n in SIM_ONLY else parse_systems(n)[-1] for n in names)
+        raise InputError("systems", text, f"choose from {', '.join(known)}")
+    return tuple(known[n] for n in names)

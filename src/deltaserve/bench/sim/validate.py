@@ -156,7 +156,8 @@ def simulate(ins: Inputs, echo=print) -> tuple[dict[str, SimOutcome], dict[int, 
         if key not in setups:
             setups[key] = setup_for(ins, *key)
         t0 = time.perf_counter()
-        o = outcomes[spec.name] = run_system(setups[key], spec, 2 if spec.split_pool else 1,
+        # one replica serves, as the real host did; a standalone trainer's come beside it
+        o = outcomes[spec.name] = run_system(setups[key], spec, 1 + spec.trainer_replicas,
                                              ins.trace)
         echo(f"{spec.name}: host {share.host} thread(s): {o.fleet.end_s:.0f} simulated s in "
              f"{time.perf_counter() - t0:.1f} s")

@@ -3,12 +3,14 @@ each on its half of every batch, end each step with the adapter and optimizer st
 replica gets on the whole batch (the issue's equivalence check), and a bad group config fails
 before anything starts."""
 
+import argparse
 import socket
 import threading
 
 import pytest
 import torch
 
+from deltaserve.cli_flags import add_dataclass_flags, checked_from_args
 from deltaserve.core.admission import AdmissionPlan
 from deltaserve.core.contract import TrainingRows
 from deltaserve.core.data import IGNORE_INDEX
@@ -22,7 +24,7 @@ from deltaserve.train.backward.process import BackwardProcess
 from deltaserve.train.backward.worker import SharedState, WorkerSpec, run_job
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
 from deltaserve.train.capture import forward_training_rows
-from deltaserve.train.config import DataParallelConfig
+from deltaserve.train.config import DataParallelBackend, DataParallelConfig
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw
 from deltaserve.train.publish import PublishGuard
 from deltaserve.train.step import CapturingStep
@@ -221,3 +223,17 @@ def test_rendezvous_from_torchrun_env():
     with pytest.raises(InputError) as e:
         DataParallelConfig.from_env({"WORLD_SIZE": "2", "RANK": "2"})
     assert e.value.field == "rank"
+
+
+def test_group_config_generates_flags_that_name_a_bad_value():
+    parser = argparse.ArgumentParser()
+    flags = add_dataclass_flags(parser, DataParallelConfig, prefix="dp-")
+    ns = parser.parse_args(["--dp-world-size", "2", "--dp-rank", "1", "--dp-backend", "gloo"])
+    assert checked_from_args(DataParallelConfig, ns, flags) == DataParallelConfig(
+        world_size=2, rank=1, backend=DataParallelBackend.GLOO)
+    assert checked_from_args(DataParallelConfig, parser.parse_args([]), flags) \
+        == DataParallelConfig()
+    with pytest.raises(InputError) as e:
+        checked_from_args(DataParallelConfig,
+                          parser.parse_args(["--dp-world-size", "2", "--dp-rank", "2"]), flags)
+    assert e.value.field == "--dp-rank"

@@ -6,6 +6,7 @@ before anything starts."""
 import argparse
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -19,7 +20,13 @@ from deltaserve.core.shape import StepShape
 from deltaserve.model import AdapterWeights, LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
 from deltaserve.train.backward.allreduce import join_group
-from deltaserve.train.backward.messages import BackwardDone, BackwardJob, JobSample
+from deltaserve.train.backward.messages import (
+    BackwardDone,
+    BackwardFailed,
+    BackwardJob,
+    JobSample,
+    LayerDone,
+)
 from deltaserve.train.backward.process import BackwardProcess
 from deltaserve.train.backward.worker import SharedState, WorkerSpec, run_job
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
@@ -237,3 +244,59 @@ def test_group_config_generates_flags_that_name_a_bad_value():
         checked_from_args(DataParallelConfig,
                           parser.parse_args(["--dp-world-size", "2", "--dp-rank", "2"]), flags)
     assert e.value.field == "--dp-rank"
+
+
+def test_a_replica_whose_step_fails_fails_its_peers_step_within_the_timeout(model):
+    """Rank 0's job raises before the all-reduce (no response tokens); rank 1 waits for it in
+    the collective only until ``timeout_s``, then reports the step lost too. Neither publishes:
+    each shared adapter stays at its last committed state."""
+    reps, procs = start_replicas(model, timeout_s=3.0)
+    before = reps[0].adapter.flat.clone()
+    try:
+        for p in procs:
+            p.wait_ready()
+        batch = batches(num_steps=1)[0]
+        prompt_only = [(ids, JobSample(js.sample_id, js.row_start,
+                                       (IGNORE_INDEX,) * js.length, js.dropout_seed))
+                       for ids, js in rebased(batch[:1])]
+        for rep, p, part in zip(reps, procs, (prompt_only, rebased(batch[1:])), strict=True):
+            p.submit(BackwardJob(0, capture(model, rep.adapter, part, rep.buffer)))
+        events = [p.wait(60.0) for p in procs]
+    finally:
+        for p in procs:
+            p.stop(timeout_s=5.0)
+    for evs in events:
+        assert [type(ev) for ev in evs if not isinstance(ev, LayerDone)] == [BackwardFailed]
+    assert "no response tokens" in next(ev for ev in events[0]
+                                         if isinstance(ev, BackwardFailed)).error
+    for rep in reps:
+        assert torch.equal(rep.adapter.flat, before) and rep.optimizer.num_steps == 0
+
+
+def test_a_replica_waiting_for_a_slow_peer_counts_as_parked(model):
+    """Waiting in the all-reduce computes nothing: a host step must not wait for it (under the
+    exclusive grant it would wait up to ``park_timeout_s`` every step). The late peer's step
+    then completes both."""
+    reps, procs = start_replicas(model, timeout_s=60.0)
+    try:
+        for p in procs:
+            p.wait_ready()
+        batch = batches(num_steps=1)[0]
+        halves = (rebased(batch[:2]), rebased(batch[2:]))
+        jobs = [BackwardJob(0, capture(model, rep.adapter, half, rep.buffer))
+                for rep, half in zip(reps, halves, strict=True)]
+        procs[1].submit(jobs[1])
+        seen: list = []
+        deadline = time.monotonic() + 60.0
+        while not any(isinstance(ev, LayerDone) and ev.layer == 0 for ev in seen):
+            assert time.monotonic() < deadline and procs[1].process.is_alive()
+            seen += procs[1].poll(timeout_s=0.1)  # until its recompute is done
+        time.sleep(0.5)
+        assert procs[1].busy and procs[1].parked.value == 1
+        procs[0].submit(jobs[0])
+        done = [[ev for ev in p.wait(60.0) if isinstance(ev, BackwardDone)] for p in procs]
+    finally:
+        for p in procs:
+            p.stop(timeout_s=5.0)
+    assert [len(d) for d in done] == [1, 1] and done[1][0].allreduce_s >= 0.5
+    assert torch.equal(reps[0].adapter.flat, reps[1].adapter.flat)

@@ -58,6 +58,8 @@ class GradientAllReduce:
         # DataParallelConfig.from_env reads from them); this process is the backward's own
         os.environ["MASTER_ADDR"] = config.master_addr
         os.environ["MASTER_PORT"] = str(config.master_port)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # NCCL binds its communicator to the current device
         dist.init_process_group(backend_for(config, device), init_method="env://",
                                 rank=config.rank, world_size=config.world_size,
                                 timeout=datetime.timedelta(seconds=config.timeout_s))

@@ -69,14 +69,17 @@ class SharedState:
 
 
 LayerCallback = Callable[[int], None]
+# Data parallel: replaces the gradient (of this replica's mean loss over the given number of
+# loss tokens) with the global batch's, in place; returns the seconds it took.
+GradientReduce = Callable[[torch.Tensor, int], float]
 
 
 def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optimizer,
             spec: WorkerSpec, shared: SharedState, job: BackwardJob,
             wait_grant: GrantWait | None = None, on_layer: LayerCallback | None = None,
-            group: GradientAllReduce | None = None) -> BackwardDone:
+            allreduce: GradientReduce | None = None) -> BackwardDone:
     """One optimizer step; publishes the adapter and optimizer state when it succeeds. With a
-    data-parallel ``group``, the step is the global batch's: the gradient is all-reduced before
+    data-parallel ``allreduce``, the step is the global batch's: the gradient is all-reduced before
     clipping, so the clip, the reported ``grad_norm`` and the AdamW step are the same on every
     replica (the loss and token counts reported stay this replica's)."""
     t0 = time.perf_counter()
@@ -84,8 +87,8 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
                                wait_grant, on_layer)
     trainable.gather_grad_()
     allreduce_s = 0.0
-    if group is not None:
-        allreduce_s = group.reduce_(trainable.flat.grad, stats.num_loss_tokens).seconds
+    if allreduce is not None:
+        allreduce_s = allreduce(trainable.flat.grad, stats.num_loss_tokens)
     max_norm = spec.optimizer.max_grad_norm
     if max_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_([trainable.flat], max_norm))
@@ -120,7 +123,8 @@ class _Worker:
         # the committed adapter, as the host serves it: what validation measures
         self.published = AdapterWeights(shared.model_config, spec.lora, shared.adapter_flat)
         # forms once every replica's backward has started (WorkerReady waits for it)
-        self.group = join_group(spec.data_parallel, self.trainable.flat.device)
+        self.group: GradientAllReduce | None = join_group(spec.data_parallel,
+                                                          self.trainable.flat.device)
         if self.group is not None:
             self.group.check_same_start(self.trainable.flat, shared.optimizer)
         self.parent = mp.parent_process()
@@ -143,6 +147,20 @@ class _Worker:
         self.layer_t0 += waited  # a layer's compute time leaves the wait out
         return waited
 
+    def allreduce(self, grad: torch.Tensor, num_loss_tokens: int) -> float:
+        """The step's all-reduce. Waiting there for the slowest peer computes nothing, so the
+        process counts as parked (a host step need not wait for it); afterwards it waits for
+        the grant like before a layer, so the optimizer step never runs beside a host step
+        that took the grant back meanwhile."""
+        assert self.group is not None
+        self.parked.value = 1
+        try:
+            seconds = self.group.reduce_(grad, num_loss_tokens).seconds
+        finally:
+            self.parked.value = 0
+        self.wait_grant(-1)
+        return seconds
+
     def on_layer(self, layer: int) -> None:
         now = time.perf_counter()
         self.results.put(LayerDone(self.step, layer, now - self.layer_t0))
@@ -158,7 +176,8 @@ class _Worker:
                                        self.on_layer)
             else:
                 done = run_job(self.model, self.trainable, self.opt, self.spec, self.shared,
-                               job, self.wait_grant, self.on_layer, self.group)
+                               job, self.wait_grant, self.on_layer,
+                               self.allreduce if self.group is not None else None)
         except Exception:
             self.parked.value = 1
             if isinstance(job, BackwardJob):  # validation changes nothing to undo

@@ -5,6 +5,10 @@ A sample is *available*, *claimed* (admitted into a step, its activations in fli
 returns claimed ones, ``commit`` retires claimed ones. An epoch ends when every sample is
 committed; the next one makes them all available again. Candidates come out in increasing length
 (the admission order); equal lengths come out in a seeded per-epoch shuffle.
+
+A data-parallel replica's pool holds its :class:`~deltaserve.core.shard.DataShard`: each epoch
+only the shard's samples become available (the others are *elsewhere*: another replica trains
+them), and the epoch ends when they are all committed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from deltaserve.core.errors import require
+from deltaserve.core.shard import DataShard
 
 _STATE_COUNTS = ("epoch", "num_samples", "tokens_committed_total", "samples_committed_total")
 
@@ -29,13 +34,14 @@ class _State(IntEnum):
     AVAILABLE = 0
     CLAIMED = 1
     COMMITTED = 2
+    ELSEWHERE = 3  # another data-parallel replica's this epoch
 
 
 @dataclass(frozen=True)
 class PoolProgress:
     epoch: int  # 0-based epoch in progress (== num_epochs once finished)
     num_epochs: int | None
-    num_samples: int
+    num_samples: int  # trained by this pool each epoch (its shard's, when data-parallel)
     samples_committed: int  # in the current epoch
     samples_claimed: int
     tokens_committed_total: int  # over all epochs
@@ -47,18 +53,24 @@ class PoolProgress:
 
 
 class SamplePool:
-    """Samples are ids ``0..len(lengths)-1``; ``lengths[i]`` is sample i's token count."""
+    """Samples are ids ``0..len(lengths)-1``; ``lengths[i]`` is sample i's token count.
+    ``shard``: this data-parallel replica's share of each epoch (``None``: every sample)."""
 
-    def __init__(self, lengths: Sequence[int], *, num_epochs: int | None = 1, seed: int = 0):
+    def __init__(self, lengths: Sequence[int], *, num_epochs: int | None = 1, seed: int = 0,
+                 shard: DataShard | None = None):
         require(len(lengths) > 0, "dataset", len(lengths), "the dataset has no samples")
         require(all(n > 0 for n in lengths), "lengths", min(lengths),
                 "every sample needs >= 1 token")
         require(num_epochs is None or num_epochs >= 1, "num_epochs", num_epochs,
                 "must be >= 1 (or None for no end)")
+        if shard is not None:
+            shard.check_dataset(len(lengths))
         self._lengths = tuple(int(n) for n in lengths)
         self.num_epochs = num_epochs
         self.seed = seed
+        self.shard = shard
         self._state = [_State.AVAILABLE] * len(self._lengths)
+        self._num_members = len(self._lengths)  # samples this pool trains in the epoch
         self._buckets: dict[int, dict[int, None]] = {}
         self._sorted_lens: list[int] = []
         self._epoch = 0
@@ -66,12 +78,12 @@ class SamplePool:
         self._num_claimed = 0
         self._tokens_total = 0
         self._samples_total = 0
-        self._fill(range(len(self._lengths)))
+        self._fill(self._enter_epoch())
 
     # ---- queries ----------------------------------------------------------------------------
     def __len__(self) -> int:
         """Available samples."""
-        return len(self._lengths) - self._num_committed - self._num_claimed
+        return self._num_members - self._num_committed - self._num_claimed
 
     @property
     def num_samples(self) -> int:
@@ -107,7 +119,7 @@ class SamplePool:
             yield n, len(buckets[n])
 
     def progress(self) -> PoolProgress:
-        return PoolProgress(self._epoch, self.num_epochs, len(self._lengths), self._num_committed,
+        return PoolProgress(self._epoch, self.num_epochs, self._num_members, self._num_committed,
                             self._num_claimed, self._tokens_total, self._samples_total)
 
     # ---- transitions ------------------------------------------------------------------------
@@ -165,7 +177,7 @@ class SamplePool:
         self._num_claimed -= len(ids)
         self._num_committed += len(ids)
         self._samples_total += len(ids)
-        if self._num_committed == len(self._lengths):
+        if self._num_committed == self._num_members:
             self._next_epoch()
 
     # ---- persistence ------------------------------------------------------------------------
@@ -180,6 +192,7 @@ class SamplePool:
             "committed": [i for i, s in enumerate(self._state) if s is _State.COMMITTED],
             "tokens_committed_total": self._tokens_total,
             "samples_committed_total": self._samples_total,
+            **({"shard": self._shard_key()} if self.shard is not None else {}),
         }
 
     @staticmethod
@@ -208,6 +221,17 @@ class SamplePool:
         require(state["num_samples"] == len(self._lengths), "num_samples", state["num_samples"],
                 f"the checkpoint was made for a dataset of {state['num_samples']} samples, "
                 f"this one has {len(self._lengths)}")
+        require(state.get("shard") == self._shard_key(), "pool.shard", state.get("shard"),
+                f"the checkpoint was made for data-parallel shard {state.get('shard')} "
+                f"([rank, world_size, seed]), this pool has {self._shard_key()}")
+        finished = state["num_epochs"] is not None and state["epoch"] >= state["num_epochs"]
+        # a finished pool still holds the last epoch's samples, all committed
+        members_epoch = state["epoch"] - 1 if finished else state["epoch"]
+        committed = set(state["committed"])
+        if self.shard is not None:
+            others = committed - set(self.shard.ids(len(self._lengths), members_epoch))
+            require(not others, "pool.committed", sorted(others),
+                    "holds samples of another data-parallel shard")
         self.num_epochs = state["num_epochs"]
         self.seed = state["seed"]
         self._epoch = state["epoch"]
@@ -216,14 +240,14 @@ class SamplePool:
         self._state = [_State.AVAILABLE] * len(self._lengths)
         self._buckets, self._sorted_lens = {}, []
         self._num_claimed = 0
-        committed = set(state["committed"])
+        members = self._enter_epoch(members_epoch)
         for sid in committed:
             self._state[sid] = _State.COMMITTED
         self._num_committed = len(committed)
-        if not self.progress().finished:
+        if not finished:
             # the epoch's own shuffle, less what is committed: the remaining samples come out
             # in the order the uninterrupted epoch would have given them
-            order = self._epoch_order(range(len(self._lengths)))
+            order = self._epoch_order(members)
             self._fill([i for i in order if i not in committed], shuffle=False)
 
     # ---- internals --------------------------------------------------------------------------
@@ -266,4 +290,19 @@ class SamplePool:
         if self.num_epochs is not None and self._epoch >= self.num_epochs:
             return  # finished: every sample stays committed, nothing is available
         self._num_committed = 0
-        self._fill(range(len(self._lengths)))
+        self._fill(self._enter_epoch())
+
+    def _enter_epoch(self, epoch: int | None = None) -> Sequence[int]:
+        """The samples of ``epoch`` (default: the current one) for this pool, in the shard's
+        order; under a shard, every other sample is marked elsewhere (no claim can take it)."""
+        n = len(self._lengths)
+        if self.shard is None:
+            return range(n)
+        members = self.shard.ids(n, self._epoch if epoch is None else epoch)
+        self._state = [_State.ELSEWHERE] * n
+        self._num_members = len(members)
+        return members
+
+    def _shard_key(self) -> list[int] | None:
+        s = self.shard
+        return None if s is None else [s.rank, s.world_size, s.seed]

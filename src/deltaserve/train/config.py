@@ -3,11 +3,12 @@ generated from these dataclasses (:mod:`deltaserve.cli_flags`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from deltaserve.core.admission import AdmissionConfig
-from deltaserve.core.errors import coerce_enum, require
+from deltaserve.core.errors import InputError, coerce_enum, require
 from deltaserve.core.latency_model import LatencyModelConfig
 from deltaserve.core.slo import SLOConfig
 from deltaserve.core.yield_reserve import YieldReserveConfig
@@ -75,6 +76,65 @@ class BackwardConfig:
         require(self.park_timeout_s > 0, "park_timeout_s", self.park_timeout_s, "must be > 0")
         require(self.stop_after_lost_steps >= 1, "stop_after_lost_steps",
                 self.stop_after_lost_steps, "must be >= 1")
+
+
+class DataParallelBackend(StrEnum):
+    """The ``torch.distributed`` backend of the backward processes' group: ``auto`` is NCCL
+    where the model is on a GPU, gloo elsewhere."""
+
+    AUTO = "auto"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+# torchrun's names for the rendezvous, read by DataParallelConfig.from_env
+_ENV_FIELDS = (("WORLD_SIZE", "world_size", int), ("RANK", "rank", int),
+               ("MASTER_ADDR", "master_addr", str), ("MASTER_PORT", "master_port", int))
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """Data-parallel co-serving: ``world_size`` replicas train one adapter, their backward
+    processes forming one ``torch.distributed`` group (rank ``rank``) that meets at
+    ``master_addr:master_port`` (the standard env rendezvous; :meth:`from_env` reads torchrun's
+    variables). ``timeout_s``: the longest the group waits to form, or for a peer in a
+    collective, before the step fails. One replica (the default) forms no group and trains
+    exactly as without this config."""
+
+    world_size: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: DataParallelBackend = DataParallelBackend.AUTO
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.world_size, int) and self.world_size >= 1, "world_size",
+                self.world_size, "must be an integer >= 1")
+        require(isinstance(self.rank, int) and 0 <= self.rank < self.world_size, "rank",
+                self.rank, f"must be an integer in [0, world_size={self.world_size})")
+        require(bool(self.master_addr), "master_addr", self.master_addr, "must not be empty")
+        require(isinstance(self.master_port, int) and 0 < self.master_port < 65536,
+                "master_port", self.master_port, "must be a port in [1, 65535]")
+        coerce_enum(self, "backend", DataParallelBackend)
+        require(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **given: object) -> DataParallelConfig:
+        """The rendezvous torchrun sets (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``,
+        ``MASTER_PORT``); an unset variable keeps the default, ``given`` fields override."""
+        kwargs: dict[str, object] = {}
+        for var, name, kind in _ENV_FIELDS:
+            if var in environ:
+                try:
+                    kwargs[name] = kind(environ[var])
+                except ValueError:
+                    raise InputError(var, environ[var], "must be an integer") from None
+        return cls(**{**kwargs, **given})
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class BackwardDone:
     wall_s: float
     paused_s: float  # time spent waiting on the grant flag
     num_correct: int = 0  # loss tokens whose argmax prediction was the target
+    allreduce_s: float = 0.0  # data-parallel: the gradient all-reduce, waiting on peers included
 
     @property
     def mean_token_accuracy(self) -> float:

@@ -17,7 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 from ctypes import c_byte
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 
 import torch
@@ -25,6 +25,7 @@ import torch
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
+from deltaserve.train.backward.allreduce import GradientAllReduce, join_group
 from deltaserve.train.backward.evaluate import validation_loss
 from deltaserve.train.backward.grant import Grant
 from deltaserve.train.backward.messages import (
@@ -39,15 +40,20 @@ from deltaserve.train.backward.messages import (
 )
 from deltaserve.train.backward.recompute import GrantWait, layerwise_backward
 from deltaserve.train.buffer import ActivationBuffer
+from deltaserve.train.config import DataParallelConfig
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw
 from deltaserve.train.publish import PublishGuard, publish, roll_back
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
+    """``data_parallel``: with more than one replica, the process joins their group and every
+    step's gradient is all-reduced (:mod:`deltaserve.train.backward.allreduce`)."""
+
     lora: LoRAConfig
     optimizer: OptimizerConfig
     num_threads: int = 1
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
 
 
 @dataclass
@@ -63,17 +69,26 @@ class SharedState:
 
 
 LayerCallback = Callable[[int], None]
+# Data parallel: replaces the gradient (of this replica's mean loss over the given number of
+# loss tokens) with the global batch's, in place; returns the seconds it took.
+GradientReduce = Callable[[torch.Tensor, int], float]
 
 
 def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optimizer,
             spec: WorkerSpec, shared: SharedState, job: BackwardJob,
-            wait_grant: GrantWait | None = None, on_layer: LayerCallback | None = None
-            ) -> BackwardDone:
-    """One optimizer step; publishes the adapter and optimizer state when it succeeds."""
+            wait_grant: GrantWait | None = None, on_layer: LayerCallback | None = None,
+            allreduce: GradientReduce | None = None) -> BackwardDone:
+    """One optimizer step; publishes the adapter and optimizer state when it succeeds. With a
+    data-parallel ``allreduce``, the step is the global batch's: the gradient is all-reduced before
+    clipping, so the clip, the reported ``grad_norm`` and the AdamW step are the same on every
+    replica (the loss and token counts reported stay this replica's)."""
     t0 = time.perf_counter()
     stats = layerwise_backward(model, trainable, shared.buffer, job.samples, spec.lora.dropout,
                                wait_grant, on_layer)
     trainable.gather_grad_()
+    allreduce_s = 0.0
+    if allreduce is not None:
+        allreduce_s = allreduce(trainable.flat.grad, stats.num_loss_tokens)
     max_norm = spec.optimizer.max_grad_norm
     if max_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_([trainable.flat], max_norm))
@@ -87,7 +102,8 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
     publish(job.step, trainable.flat, opt, shared.adapter_flat, shared.optimizer, shared.guard)
     return BackwardDone(job.step, tuple(s.sample_id for s in job.samples), job.num_tokens,
                         stats.num_loss_tokens, stats.loss, grad_norm, lr,
-                        time.perf_counter() - t0, stats.paused_s, stats.num_correct)
+                        time.perf_counter() - t0, stats.paused_s, stats.num_correct,
+                        allreduce_s)
 
 
 class _Worker:
@@ -106,6 +122,11 @@ class _Worker:
         self.opt = build_adamw(self.trainable.flat, spec.optimizer, shared.optimizer)
         # the committed adapter, as the host serves it: what validation measures
         self.published = AdapterWeights(shared.model_config, spec.lora, shared.adapter_flat)
+        # forms once every replica's backward has started (WorkerReady waits for it)
+        self.group: GradientAllReduce | None = join_group(spec.data_parallel,
+                                                          self.trainable.flat.device)
+        if self.group is not None:
+            self.group.check_same_start(self.trainable.flat, shared.optimizer)
         self.parent = mp.parent_process()
         self.step = -1
         self.layer_t0 = time.perf_counter()
@@ -126,6 +147,20 @@ class _Worker:
         self.layer_t0 += waited  # a layer's compute time leaves the wait out
         return waited
 
+    def allreduce(self, grad: torch.Tensor, num_loss_tokens: int) -> float:
+        """The step's all-reduce. Waiting there for the slowest peer computes nothing, so the
+        process counts as parked (a host step need not wait for it); afterwards it waits for
+        the grant like before a layer, so the optimizer step never runs beside a host step
+        that took the grant back meanwhile."""
+        assert self.group is not None
+        self.parked.value = 1
+        try:
+            seconds = self.group.reduce_(grad, num_loss_tokens).seconds
+        finally:
+            self.parked.value = 0
+        self.wait_grant(-1)
+        return seconds
+
     def on_layer(self, layer: int) -> None:
         now = time.perf_counter()
         self.results.put(LayerDone(self.step, layer, now - self.layer_t0))
@@ -141,7 +176,8 @@ class _Worker:
                                        self.on_layer)
             else:
                 done = run_job(self.model, self.trainable, self.opt, self.spec, self.shared,
-                               job, self.wait_grant, self.on_layer)
+                               job, self.wait_grant, self.on_layer,
+                               self.allreduce if self.group is not None else None)
         except Exception:
             self.parked.value = 1
             if isinstance(job, BackwardJob):  # validation changes nothing to undo
@@ -176,5 +212,7 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Queue, results: Que
                 return  # orphaned: nobody will read the results
             continue
         if isinstance(msg, Stop):
+            if worker.group is not None:
+                worker.group.close()
             return
         worker.run(msg)

@@ -27,7 +27,7 @@ from deltaserve.hosts.vllm.hidden import HiddenKind  # noqa: E402
 from deltaserve.model.loading import resolve_model  # noqa: E402
 from deltaserve.model.peft_io import load_adapter  # noqa: E402
 from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest  # noqa: E402
-from deltaserve.train.config import BackwardConfig, GrantPolicy  # noqa: E402
+from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy  # noqa: E402
 from deltaserve.train.optim import OptimizerConfig  # noqa: E402
 from tests.hosts.spies import StepLog, spy_steps  # noqa: E402
 from tests.hosts.vllm.common import (  # noqa: E402
@@ -65,9 +65,9 @@ def latency(host):
 
 
 def coserve(host, latency, data, batch_tokens=64, **kw):
-    co = host.attach(dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=latency,
-                     progress=False, lora=LORA, backward=BackwardConfig(batch_tokens=batch_tokens),
-                     **kw)
+    config = CoServeConfig(SLOConfig(30.0, 30.0), lora=LORA,
+                           backward=BackwardConfig(batch_tokens=batch_tokens), **kw)
+    co = host.attach(config, dataset=data, latency_model=latency, progress=False)
     return co, Recorder(co)
 
 
@@ -322,8 +322,8 @@ def serve_with_busy_backward(host, latency, slo: SLOConfig, max_yield_s: float
     backward = BackwardConfig(batch_tokens=64, grant_policy=GrantPolicy.EXCLUSIVE,
                               max_yield_s=max_yield_s,
                               yield_reserve=YieldReserveConfig(min_steps=2, window=64))
-    co = host.attach(dataset=samples(host.tokenizer, 24), slo=slo, latency_model=latency,
-                     progress=False, lora=LORA, backward=backward, num_epochs=None)
+    co = host.attach(CoServeConfig(slo, lora=LORA, backward=backward, num_epochs=None),
+                     dataset=samples(host.tokenizer, 24), latency_model=latency, progress=False)
     spy, log = YieldSpy(co), StepLog(host)
     try:
         deadline = time.monotonic() + 300

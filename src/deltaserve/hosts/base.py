@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import CalibrationConfig
-from deltaserve.core.contract import CoServingHooks, StepRecord
+from deltaserve.core.contract import CoServingHooks, StepRecord, TrainingHost
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.pool import SamplePool
@@ -76,7 +76,10 @@ class ClientRequest:
                              self.times[0] if self.times else None, tuple(self.times))
 
 
-class BaseHost(ABC):
+class BaseHost(TrainingHost, ABC):
+    """Every host is a :class:`TrainingHost` (the subclass implements the training side), so
+    one attach, :meth:`attach`, serves them all."""
+
     config_cls: type[HostConfig] = HostConfig  # what the registry builds a host from
     config: HostConfig  # every host is built from one (set by the subclass)
 

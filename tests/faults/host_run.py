@@ -16,7 +16,7 @@ from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.native import EngineConfig, LLMEngine
 from deltaserve.model import LoRAConfig
 from deltaserve.train.checkpoint_store import CheckpointConfig
-from deltaserve.train.config import BackwardConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 from deltaserve.train.events import OptimizerStep, TrainingEvent
 from tests.train import fixtures as fx
 
@@ -27,11 +27,12 @@ def main(model_dir: str, root: str, run: int) -> None:
     eng = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_num_seqs=8,
                                  max_num_batched_tokens=128, block_size=8, kv_cache_tokens=2048,
                                  max_model_len=256))
-    co = eng.attach(dataset=fx.samples(NUM_SAMPLES), slo=SLOConfig(5.0, 5.0),
-                    latency_model=fx.latency_model(), progress=False,
-                    lora=LoRAConfig(r=4, alpha=8), backward=BackwardConfig(batch_tokens=64),
-                    num_epochs=NUM_EPOCHS,
-                    checkpoint=CheckpointConfig(root=f"{root}/ck", every_steps=1))
+    co = eng.attach(CoServeConfig(SLOConfig(5.0, 5.0), lora=LoRAConfig(r=4, alpha=8),
+                                  backward=BackwardConfig(batch_tokens=64),
+                                  num_epochs=NUM_EPOCHS,
+                                  checkpoint=CheckpointConfig(root=f"{root}/ck", every_steps=1)),
+                    dataset=fx.samples(NUM_SAMPLES), latency_model=fx.latency_model(),
+                    progress=False)
     out = Path(root)
     resumed = co.trainer.optimizer_steps if co.trainer.resumed_from else 0
     (out / f"start-{run}.json").write_text(json.dumps({"resumed_step": resumed}))

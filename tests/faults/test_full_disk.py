@@ -16,7 +16,7 @@ from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.native import EngineConfig, LLMEngine
 from deltaserve.model import LoRAConfig
 from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest
-from deltaserve.train.config import BackwardConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 from deltaserve.train.events import OptimizerStep, TrainingIOError
 from tests.hosts.native.test_engine import prompts
 from tests.tiny import hf_tiny_llama
@@ -56,10 +56,11 @@ def test_full_disk_pauses_training_never_inference(tmp_path, small_disk):
                                  max_num_batched_tokens=128, block_size=8,
                                  kv_cache_tokens=4096, max_model_len=256))
     root = small_disk / "ck"
-    co = eng.attach(dataset=fx.samples(40), slo=SLOConfig(5.0, 5.0),
-                    latency_model=fx.latency_model(), progress=False,
-                    lora=LoRAConfig(r=4, alpha=8), backward=BackwardConfig(batch_tokens=64),
-                    checkpoint=CheckpointConfig(root=str(root), every_steps=1, retry_s=0.2))
+    co = eng.attach(CoServeConfig(SLOConfig(5.0, 5.0), lora=LoRAConfig(r=4, alpha=8),
+                                  backward=BackwardConfig(batch_tokens=64),
+                                  checkpoint=CheckpointConfig(root=str(root), every_steps=1,
+                                                              retry_s=0.2)),
+                    dataset=fx.samples(40), latency_model=fx.latency_model(), progress=False)
     rec = fx.Recorder(co)
     filler = fill(small_disk)
     stop = threading.Event()

@@ -15,10 +15,11 @@ def test_unguarded_script_is_told_to_guard_its_entry_point(tmp_path, base_path):
     script.write_text(textwrap.dedent(f"""
         from deltaserve.core.slo import SLOConfig
         from deltaserve.hosts.native import EngineConfig, LLMEngine
+        from deltaserve.train.config import CoServeConfig
         from tests.train import fixtures as fx
 
         engine = LLMEngine(EngineConfig(model={str(base_path)!r}, dtype="float32"))
-        engine.attach(dataset=fx.samples(4), slo=SLOConfig(2.0, 0.5),
+        engine.attach(CoServeConfig(SLOConfig(2.0, 0.5)), dataset=fx.samples(4),
                       latency_model=fx.latency_model(), progress=False)
         print("attached")
     """))

@@ -23,15 +23,26 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from deltaserve.core.contract import CoServingHooks, StepRecord
+from deltaserve.core.admission import AdmissionScheduler
+from deltaserve.core.calibration import CalibrationConfig
+from deltaserve.core.contract import CoServingHooks, StepRecord, TrainingHost
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.pool import SamplePool
 from deltaserve.core.request_stats import RequestCounters
 from deltaserve.core.requests import RequestOutput, SamplingParams, TokenCallback
 from deltaserve.core.shape import StepShape
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.config import HostConfig
-from deltaserve.train.attach import attach, detach
+from deltaserve.train.attach import (
+    Dataset,
+    LatencySource,
+    TorchTraining,
+    TrainingHalf,
+    attach,
+    detach,
+)
+from deltaserve.train.config import CoServeConfig
 from deltaserve.train.facade import CoServer
 
 # Adapter names a client may never use: the co-server's training adapter has no client name.
@@ -65,7 +76,10 @@ class ClientRequest:
                              self.times[0] if self.times else None, tuple(self.times))
 
 
-class BaseHost(ABC):
+class BaseHost(TrainingHost, ABC):
+    """Every host is a :class:`TrainingHost` (the subclass implements the training side), so
+    one attach, :meth:`attach`, serves them all."""
+
     config_cls: type[HostConfig] = HostConfig  # what the registry builds a host from
     config: HostConfig  # every host is built from one (set by the subclass)
 
@@ -290,13 +304,32 @@ class BaseHost(ABC):
                 listener(rec)
 
     # ---- co-serving -------------------------------------------------------------------------
-    def attach(self, **kwargs: object) -> CoServer:
-        """Start co-serving (see :func:`deltaserve.train.attach.attach` for the arguments)."""
+    def attach(self, config: CoServeConfig, *, dataset: Dataset,
+               latency_model: LatencySource = None, calibration: CalibrationConfig | None = None,
+               progress: bool = True, scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
+               validation: Dataset | None = None, pool: SamplePool | None = None) -> CoServer:
+        """Start co-serving under ``config``: :func:`deltaserve.train.attach.attach` (the
+        arguments are its own) over this host's :meth:`training_half`, on the host's clock.
+        Every host, the simulated one included, attaches through here."""
         if self._co is not None:
             raise InputError("coserver", "attached", "detach the current co-server first")
-        co = attach(self, **kwargs)  # type: ignore[arg-type]
+        self.check_coserve_config(config)
+        co = attach(self, config, dataset=dataset, latency_model=latency_model,
+                    calibration=calibration, progress=progress, scheduler_cls=scheduler_cls,
+                    validation=validation, pool=pool, training=self.training_half(),
+                    clock=self._clock)
         self._co, self.latency_model = co, co.latency
         return co
+
+    def check_coserve_config(self, config: CoServeConfig) -> None:
+        """Refuse, before anything heavy runs, a config this host cannot train under (an
+        engine whose limits a config can exceed checks them here)."""
+        del config  # by default none: the host's limits reach admission through HostLimits
+
+    def training_half(self) -> TrainingHalf:
+        """What trains this host's captured samples: the real trainer over its weights (a
+        simulated host substitutes its timed stand-in)."""
+        return TorchTraining(self)
 
     def detach(self, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:
         """Stop co-serving: train what was captured (``drain``), checkpoint, stop the backward.

@@ -19,7 +19,7 @@ from deltaserve.core.calibration import build_plan
 from deltaserve.core.latency_model import LatencyModelConfig, fit_from
 from deltaserve.hosts.native import EngineConfig, LLMEngine, SamplingParams
 from deltaserve.model import LoRAConfig
-from deltaserve.train.config import BackwardConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 from tests.hosts.native.test_engine import prompts
 from tests.hosts.spies import StepLog, spy_steps
 from tests.tiny import hf_tiny_llama
@@ -43,9 +43,10 @@ def engine(path, device="cpu"):
 
 
 def coserve(eng, slo=SLOConfig(5.0, 5.0), n_samples=40, buffer_tokens=None, **kw):
-    co = eng.attach(dataset=fx.samples(n_samples), slo=slo, calibration=SMALL_CAL,
-                    progress=False, lora=LoRAConfig(r=4, alpha=8),
-                    backward=BackwardConfig(batch_tokens=64, buffer_tokens=buffer_tokens), **kw)
+    config = CoServeConfig(slo, lora=LoRAConfig(r=4, alpha=8),
+                           backward=BackwardConfig(batch_tokens=64, buffer_tokens=buffer_tokens),
+                           **kw)
+    co = eng.attach(config, dataset=fx.samples(n_samples), calibration=SMALL_CAL, progress=False)
     co.recorder = fx.Recorder(co)
     return co
 
@@ -125,9 +126,9 @@ def test_light_load_admits_within_slo_and_trains(tiny):
     slo = SLOConfig(ttft_s=1.0, tpot_s=0.5)
     # a backward batch (256 tokens) larger than any admissible step, so Δ, not the batch's
     # room, is what stops admission beside inference
-    co = eng.attach(dataset=fx.samples(40), slo=slo, latency_model=slow_latency_model(),
-                    progress=False, lora=LoRAConfig(r=4, alpha=8),
-                    backward=BackwardConfig(batch_tokens=256))
+    co = eng.attach(CoServeConfig(slo, lora=LoRAConfig(r=4, alpha=8),
+                                  backward=BackwardConfig(batch_tokens=256)),
+                    dataset=fx.samples(40), latency_model=slow_latency_model(), progress=False)
     model = eng.latency_model
     decisions = []  # (view, plan, predict_upper of the planned step at planning time)
     plan = co.plan
@@ -320,9 +321,10 @@ def test_a_backward_that_fails_every_job_stops_training_and_inference_goes_on(ti
     broken = [TrainingSample(s.sample_id, s.input_ids, tuple([IGNORE_INDEX] * s.num_tokens))
               for s in fx.samples(20)]
     eng = engine(tiny)
-    co = eng.attach(dataset=broken, slo=SLOConfig(5.0, 5.0), calibration=SMALL_CAL,
-                    progress=False, lora=LoRAConfig(r=4, alpha=8),
-                    backward=BackwardConfig(batch_tokens=32, stop_after_lost_steps=3))
+    co = eng.attach(CoServeConfig(SLOConfig(5.0, 5.0), lora=LoRAConfig(r=4, alpha=8),
+                                  backward=BackwardConfig(batch_tokens=32,
+                                                          stop_after_lost_steps=3)),
+                    dataset=broken, calibration=SMALL_CAL, progress=False)
     rec = fx.Recorder(co)
     try:
         with caplog.at_level("WARNING", logger="deltaserve"):

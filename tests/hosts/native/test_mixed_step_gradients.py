@@ -31,7 +31,7 @@ from deltaserve.model import AdapterWeights, LoRAConfig
 from deltaserve.model.lora import ALL_MODULES, DropoutSegment, dropout_, peft_key
 from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.backward.recompute import layerwise_backward
-from deltaserve.train.config import BackwardConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 from tests.tiny import hf_tiny_llama
 from tests.train import fixtures as fx
 
@@ -102,11 +102,12 @@ def capture_in_mixed_steps(path, dropout: float) -> tuple[list[Captured], Adapte
     data = fx.samples(40)
     # the batch never fills (4096 tokens) and the pool never empties: the backward process
     # never runs, so the buffer and the adapter stay as the forward left them
-    co = eng.attach(dataset=data, slo=SLOConfig(1000.0, 1000.0),
-                    latency_model=fx.latency_model(), progress=False,
-                    lora=LoRAConfig(r=4, alpha=8, dropout=dropout, target_modules=ALL_MODULES),
-                    backward=BackwardConfig(batch_tokens=4096),
-                    admission=AdmissionConfig(max_ft_tokens_per_step=64))
+    config = CoServeConfig(
+        SLOConfig(1000.0, 1000.0),
+        lora=LoRAConfig(r=4, alpha=8, dropout=dropout, target_modules=ALL_MODULES),
+        backward=BackwardConfig(batch_tokens=4096),
+        admission=AdmissionConfig(max_ft_tokens_per_step=64))
+    co = eng.attach(config, dataset=data, latency_model=fx.latency_model(), progress=False)
     captured: list[Captured] = []
     plan = co.plan
 

@@ -11,7 +11,7 @@ import torch
 from deltaserve.core.calibration import CalibrationConfig
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model.lora import ALL_MODULES, AdapterWeights, LoRAConfig
-from deltaserve.train.config import BackwardConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 
 LORA = LoRAConfig(r=8, alpha=16, dropout=0.0, target_modules=ALL_MODULES)
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], [1, 1004, 2493, 416, 253, 655, 28],
@@ -23,8 +23,9 @@ SMALL_CAL = CalibrationConfig(decode_batches=(1, 2, 4, 8), decode_kv_lens=(16, 6
 
 def coserve(host, latency, data, *, batch_tokens=64, slo=SLOConfig(30.0, 30.0), **kw):
     """A co-server on ``host``: one backward thread (see conftest), generous SLOs."""
-    return host.attach(dataset=data, slo=slo, latency_model=latency, progress=False, lora=LORA,
-                       backward=BackwardConfig(batch_tokens=batch_tokens, threads=1), **kw)
+    config = CoServeConfig(slo, lora=LORA,
+                           backward=BackwardConfig(batch_tokens=batch_tokens, threads=1), **kw)
+    return host.attach(config, dataset=data, latency_model=latency, progress=False)
 
 
 def replay(host, prompts, params, gap_s=0.05):

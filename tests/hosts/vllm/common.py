@@ -20,7 +20,7 @@ from deltaserve.model.lora import peft_key
 from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.backward.recompute import layerwise_backward
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
-from deltaserve.train.config import BackwardConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 from tests.hosts.spies import SpyStep, spy_steps
 
 LORA = LoRAConfig(r=8, alpha=16, dropout=0.0)
@@ -132,10 +132,10 @@ def vllm_captured_grads(host, latency, data: list[TrainingSample], seed: int = 3
     """LoRA gradients of ``data`` by the backward's recompute from activations captured inside
     vLLM (one training-only step), at a random non-trivial adapter published into the reserved
     slot (every gradient path live); and that adapter."""
-    co = host.attach(dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=latency,
-                     progress=False, lora=LORA, interrupt=False,
-                     backward=BackwardConfig(batch_tokens=4096),
-                     admission=AdmissionConfig(max_ft_tokens_per_step=256))
+    config = CoServeConfig(SLOConfig(30.0, 30.0), lora=LORA, interrupt=False,
+                           backward=BackwardConfig(batch_tokens=4096),
+                           admission=AdmissionConfig(max_ft_tokens_per_step=256))
+    co = host.attach(config, dataset=data, latency_model=latency, progress=False)
     try:
         spies = spy_steps(co, keep_hidden=True)
         g = torch.Generator().manual_seed(seed)

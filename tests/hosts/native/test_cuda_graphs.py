@@ -34,10 +34,7 @@ def engine(path, device="cpu", **kw):
 
 
 def with_static_graphs(eng: LLMEngine) -> DecodeGraphs:
-    graphs = DecodeGraphs(eng.model, eng.cache, batch_sizes=buckets_up_to(eng.config.max_num_seqs),
-                          max_blocks=-(-eng.max_model_len // eng.config.block_size),
-                          scratch_block=eng.blocks.reserve_block(), capture=False)
-    eng.runner.graphs = graphs
+    graphs = eng.runner.graphs = eng.decode_graphs(capture=False)
     return graphs
 
 
@@ -81,11 +78,13 @@ def test_static_decode_equals_eager_and_transformers(tiny):
     assert eng.blocks.num_blocks == eng.config.num_blocks - 1
 
 
-def test_adapter_rows_run_eager(tiny, tmp_path):
-    eng = engine(tiny)
+def test_adapters_above_the_slot_rank_run_eager(tiny, tmp_path):
+    """Decodes whose adapter the graphs' slots cannot hold (rank 8 > 4) run eager, exactly;
+    adapters that fit replay graphs (``test_graph_lora``)."""
+    eng = engine(tiny, graph_lora_rank=4)
     log = StepLog(eng)
     with_static_graphs(eng)
-    ad = AdapterWeights(eng.model.config, LoRAConfig(r=4, alpha=8))
+    ad = AdapterWeights(eng.model.config, LoRAConfig(r=8, alpha=16))
     with torch.no_grad():
         ad.flat.copy_(torch.randn(ad.numel, generator=torch.Generator().manual_seed(0)) * 0.3)
     adir = str(save_adapter(tmp_path / "a", ad, str(tiny)))

@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 
 from deltaserve.core.errors import InputError
+from deltaserve.hosts.base import RESERVED_ADAPTER_PREFIX
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.model.peft_io import load_adapter
+
+# The co-server's training adapter as the runner's rows name it. Reserved: no client can load or
+# request it through the host; the engine's own callers (calibration, tests) may decode on it.
+TRAIN_ADAPTER = f"{RESERVED_ADAPTER_PREFIX}train"
 
 
 class AdapterRegistry:

@@ -1,24 +1,28 @@
 """Decode steps as CUDA graphs: one captured graph per (batch bucket, context bucket).
 
-A decode step of base-model requests is padded to the next captured batch size and its block
-tables to the next captured width, then replayed: the launch cost of ~10 kernels per layer is paid
-once at capture instead of every step. Invariants that make replay exact:
+A decode step is padded to the next captured batch size and its block tables to the next captured
+width, then replayed: the launch cost of ~10 kernels per layer is paid once at capture instead of
+every step. Invariants that make replay exact:
 
 - every input lives in a static buffer the graph reads (token ids, positions, cache slots, block
-  tables, context lengths); a step only copies into them;
+  tables, context lengths, each row's adapter slot); a step only copies into them;
 - padding rows decode a dummy token at position 0 into a scratch block that no request owns, and
   attend to that one slot, so they neither touch a request's cache nor produce NaNs;
 - a real row attends exactly its ``context_len`` positions (the mask), so padding the block table
-  to the bucket width adds no keys.
+  to the bucket width adds no keys;
+- adapters are applied through static slot buffers (:mod:`deltaserve.model.lora_slots`): a row
+  names its slot (0: none, as for padding rows), and loading or publishing an adapter copies into
+  its slot in place, so the graphs never need re-capturing.
 
-Steps with prefills, fine-tuning rows or adapters run eager (multi-LoRA grouping and per-sample
-capture have data-dependent shapes). Without CUDA the same static computation runs eagerly
-(``capture=False``): tests check it against the eager engine on CPU.
+Steps with prefills or fine-tuning rows run eager (chunked prefill and per-sample capture have
+data-dependent shapes), and so do decodes whose adapters the slots cannot hold (a rank above the
+slots', a module they do not cover, more adapters than slots). Without CUDA the same static
+computation runs eagerly (``capture=False``): tests check it against the eager engine on CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,8 @@ import torch.nn.functional as F
 from deltaserve.hosts.native.attention import KVCache
 from deltaserve.model.attention import attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel
+from deltaserve.model.lora import AdapterWeights
+from deltaserve.model.lora_slots import AdapterSlots
 
 
 def buckets_up_to(limit: int) -> tuple[int, ...]:
@@ -65,11 +71,13 @@ class DecodeGraphs:
     """Static buffers, the captured graphs and their replay.
 
     ``scratch_block``: a cache block reserved for padding rows. ``capture``: record CUDA graphs
-    (needs a CUDA device); ``False`` runs the static path eagerly.
+    (needs a CUDA device); ``False`` runs the static path eagerly. ``adapter_slots``: the
+    adapters decodes may carry (``None``: base-model decodes only).
     """
 
     def __init__(self, model: LlamaModel, cache: KVCache, *, batch_sizes: Sequence[int],
-                 max_blocks: int, scratch_block: int, capture: bool):
+                 max_blocks: int, scratch_block: int, capture: bool,
+                 adapter_slots: AdapterSlots | None = None):
         device = model.weights.device
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {device}")
@@ -86,6 +94,8 @@ class DecodeGraphs:
         self.slots = torch.full((b,), self.scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((b, w), scratch_block, dtype=torch.long, device=device)
         self.context_lens = torch.ones(b, dtype=torch.long, device=device)
+        self.adapter_slots = adapter_slots
+        self.adapter_index = torch.zeros(b, dtype=torch.long, device=device)  # slot + 1; 0: none
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = None
@@ -98,11 +108,20 @@ class DecodeGraphs:
         w = next((s for s in self.widths if s >= blocks), None)
         return None if b is None or w is None else (b, w)
 
+    def holds(self, adapters: Iterable[AdapterWeights]) -> bool:
+        """The adapters of one step fit the slots (no adapters always do)."""
+        adapters = list(adapters)
+        if not adapters:
+            return True
+        return self.adapter_slots is not None and self.adapter_slots.holds(adapters)
+
     # ---- capture ----------------------------------------------------------------------------
     def _forward(self, b: int, w: int) -> torch.Tensor:
         attention = StaticDecodeAttention(self.cache, self.slots[:b], self.block_tables[:b, :w],
                                           self.context_lens[:b])
-        ctx = ForwardContext(self.positions[:b], attention, ())
+        lora = self.adapter_slots
+        ctx = ForwardContext(self.positions[:b], attention, (),
+                             slot_lora=lora.rows(self.adapter_index[:b]) if lora else None)
         return self.model.logits(self.model.forward(self.input_ids[:b], ctx))
 
     def capture_all(self) -> int:
@@ -138,8 +157,11 @@ class DecodeGraphs:
 
     # ---- replay -----------------------------------------------------------------------------
     def run(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            block_tables: Sequence[Sequence[int]], context_lens: Sequence[int]) -> torch.Tensor:
-        """Logits [n, vocab] of one decode row per request (rows in the given order)."""
+            block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
+            adapter_index: Sequence[int] | None = None) -> torch.Tensor:
+        """Logits [n, vocab] of one decode row per request (rows in the given order).
+        ``adapter_index``: each row's adapter slot + 1 (0: none), from
+        :meth:`AdapterSlots.place`; ``None``: no row has an adapter."""
         n = len(token_ids)
         key = self.bucket(n, max(context_lens))
         if key is None:
@@ -151,6 +173,9 @@ class DecodeGraphs:
         self.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
         self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
         self.context_lens[:n].copy_(torch.tensor(context_lens), non_blocking=True)
+        index = list(adapter_index) if adapter_index is not None else [0] * n
+        assert self.adapter_slots is not None or not any(index), "adapters without slots"
+        self.adapter_index[:n].copy_(torch.tensor(index, dtype=torch.long), non_blocking=True)
         tables = torch.full((n, w), self.scratch_block, dtype=torch.long)
         for r, table in enumerate(block_tables):
             used = -(-context_lens[r] // self.cache.block_size)
@@ -171,4 +196,5 @@ class DecodeGraphs:
         self.positions[n:] = 0
         self.slots[n:] = self.scratch_slot
         self.context_lens[n:] = 1
+        self.adapter_index[n:] = 0
         self.block_tables[n:] = self.scratch_block

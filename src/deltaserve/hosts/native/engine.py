@@ -34,6 +34,7 @@ from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.loading import load_tokenizer, load_weights, resolve_dtype, resolve_model
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
+from deltaserve.model.lora_slots import AdapterSlots
 
 
 class LLMEngine(BaseHost):
@@ -64,13 +65,23 @@ class LLMEngine(BaseHost):
         self.adapters = AdapterRegistry(mc)
         self.runner = ModelRunner(model, self.cache, self.blocks, self.adapters, self.sampler)
         if config.cuda_graphs and model.weights.device.type == "cuda":
-            self.runner.graphs = DecodeGraphs(
-                model, self.cache, batch_sizes=buckets_up_to(config.max_num_seqs),
-                max_blocks=-(-self.max_model_len // config.block_size),
-                scratch_block=self.blocks.reserve_block(), capture=True)
+            self.runner.graphs = self.decode_graphs(capture=True)
             self.runner.graphs.capture_all()
         self.eos_token_ids = self._eos_ids()
         self._requests: dict[str, Request] = {}
+
+    def decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Static decode buffers for this engine (a KV block reserved for padding rows), with
+        adapter slots as configured; ``capture=False``: the static path run eagerly (CPU)."""
+        c, weights = self.config, self.model.weights
+        slots = AdapterSlots(self.model.config, num_slots=c.graph_lora_slots,
+                             max_rank=c.graph_lora_rank, modules=c.graph_lora_modules,
+                             dtype=weights.dtype, device=weights.device
+                             ) if c.graph_lora_slots else None
+        return DecodeGraphs(self.model, self.cache, batch_sizes=buckets_up_to(c.max_num_seqs),
+                            max_blocks=-(-self.max_model_len // c.block_size),
+                            scratch_block=self.blocks.reserve_block(), capture=capture,
+                            adapter_slots=slots)
 
     # ---- the co-server's side (TrainingHost) ------------------------------------------------
     @property
@@ -97,7 +108,9 @@ class LLMEngine(BaseHost):
         self.runner.train_adapter = adapter  # not in the registry: no client can name it
 
     def publish_adapter(self, adapter: AdapterWeights) -> None:
-        """Nothing to copy: the runner reads the adapter the backward publishes into."""
+        """Eager steps read the adapter the backward publishes into; a graph slot holding it
+        takes a copy (the co-server publishes from the stepping thread, between steps)."""
+        self.runner.publish_adapter(adapter)
 
     def calibrate(self, lora: LoRAConfig, calibration: CalibrationConfig | None,
                   latency: LatencyModelConfig | None, *, seed: int = 0,
@@ -120,6 +133,8 @@ class LLMEngine(BaseHost):
         self.adapters.add(name, path)
 
     def _unload_lora(self, name: str) -> None:
+        if name in self.adapters:
+            self.runner.release_adapter(self.adapters.get(name))
         self.adapters.remove(name)
 
     def _engine_step(self) -> bool:

@@ -13,7 +13,7 @@ import torch
 
 from deltaserve.core.contract import TrainingStep
 from deltaserve.core.shape import ExecMode
-from deltaserve.hosts.native.adapters import AdapterRegistry
+from deltaserve.hosts.native.adapters import TRAIN_ADAPTER, AdapterRegistry
 from deltaserve.hosts.native.attention import (
     DecodeGroup,
     KVCache,
@@ -66,17 +66,39 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by the engine where graphs are captured
         self.train_adapter: AdapterWeights | None = None  # the co-server's, once installed
 
-    def mode_for(self, batch: ScheduledBatch) -> ExecMode:
-        """How ``batch`` runs without fine-tuning rows: a graph when every item is a decode of a
-        base-model request and a captured bucket holds it (rows carrying an adapter, prefills
-        and training rows have data-dependent shapes)."""
+    def mode_for(self, batch: ScheduledBatch, training: TrainingStep | None = None) -> ExecMode:
+        """How ``batch`` (plus ``training``'s rows, if any) runs: a graph when every item is a
+        decode, a captured bucket holds them and the graphs' adapter slots hold their adapters
+        (base model, the training adapter or a client's); eager with prefills or fine-tuning
+        rows (data-dependent shapes) or adapters the slots cannot hold."""
         g = self.graphs
         if g is None or not batch.items or batch.prefills:
             return ExecMode.EAGER
-        if any(i.request.adapter is not None for i in batch.items):
+        if training is not None and training.rows.num_samples:
             return ExecMode.EAGER
         longest = max(i.request.num_computed + 1 for i in batch.items)
-        return ExecMode.EAGER if g.bucket(len(batch.items), longest) is None else ExecMode.GRAPH
+        if g.bucket(len(batch.items), longest) is None:
+            return ExecMode.EAGER
+        names = {i.request.adapter for i in batch.items} - {None}
+        return ExecMode.GRAPH if g.holds(self.adapter(n) for n in names) else ExecMode.EAGER
+
+    def adapter(self, name: str) -> AdapterWeights:
+        """The adapter rows named ``name`` run on: a client's, or the installed training
+        adapter (:data:`TRAIN_ADAPTER`)."""
+        if name == TRAIN_ADAPTER and self.train_adapter is not None:
+            return self.train_adapter
+        return self.adapters.get(name)
+
+    def publish_adapter(self, adapter: AdapterWeights) -> None:
+        """New weights of ``adapter``: eager steps read it directly; the graphs' slot holding
+        it, if any, takes a copy in place (captured graphs keep reading the same storage)."""
+        if self.graphs is not None and self.graphs.adapter_slots is not None:
+            self.graphs.adapter_slots.refresh_(adapter)
+
+    def release_adapter(self, adapter: AdapterWeights) -> None:
+        """``adapter`` is unloaded: its graph slot, if any, is free again."""
+        if self.graphs is not None and self.graphs.adapter_slots is not None:
+            self.graphs.adapter_slots.release(adapter)
 
     def run(self, batch: ScheduledBatch, training: TrainingStep | None = None,
             train_adapter: AdapterWeights | None = None) -> StepResult:
@@ -86,7 +108,7 @@ class ModelRunner:
         if training is not None and not training.rows.num_samples:
             training = None
         with attention_kernels(self.device):
-            if training is None and self.mode_for(batch) is ExecMode.GRAPH:
+            if self.mode_for(batch, training) is ExecMode.GRAPH:
                 result = self._run_graph(batch)
             else:
                 adapter = train_adapter or self.train_adapter
@@ -128,7 +150,7 @@ class ModelRunner:
                                                                    device=dev))
                            for rows, prefix, ctx in flat.prefills),
             training_lengths=training.rows.lengths if training is not None else ())
-        groups = [LoRAGroup(self.adapters.get(name), _rows(r, dev))
+        groups = [LoRAGroup(self.adapter(name), _rows(r, dev))
                   for name, r in flat.by_adapter.items()]
         mlp_hook: MlpHook | None = None
         if training is not None:
@@ -181,11 +203,22 @@ class ModelRunner:
         logits = self.graphs.run(
             [r.all_token_ids[p] for r, p in zip(reqs, positions, strict=True)], positions,
             [self.blocks.slots(r, p, p + 1)[0] for r, p in zip(reqs, positions, strict=True)],
-            [r.block_table for r in reqs], [p + 1 for p in positions])
+            [r.block_table for r in reqs], [p + 1 for p in positions],
+            self._adapter_index(reqs))
         tokens = self.sampler.sample(logits, [r.request_id for r in reqs],
                                      [r.params for r in reqs])
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         return StepResult(sampled, False, self.model.num_layers, ExecMode.GRAPH)
+
+    def _adapter_index(self, reqs: list[Request]) -> list[int] | None:
+        """Each row's adapter slot + 1 (0: base model), its adapters placed in the slots."""
+        named = [self.adapter(r.adapter) if r.adapter is not None else None for r in reqs]
+        used = [a for a in named if a is not None]
+        if not used:
+            return None
+        assert self.graphs is not None and self.graphs.adapter_slots is not None
+        index = self.graphs.adapter_slots.place(used)
+        return [index[id(a)] if a is not None else 0 for a in named]
 
 
 def _decode_groups(decodes: list[tuple[int, int, list[int]]], block_size: int,

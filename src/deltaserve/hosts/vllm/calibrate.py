@@ -100,11 +100,6 @@ class CalibrationRun:
     def after_step(self, shape: StepShape, seconds: float) -> None:
         self._advance(StepResult(shape, seconds))
 
-    def close(self) -> None:
-        """Abandon the run: the probe's requests are aborted, the prober closed."""
-        if self._steps is not None:
-            self._steps.close()
-
     def _advance(self, result: StepResult | None) -> None:
         assert self._steps is not None
         try:

@@ -5,11 +5,14 @@ the spot or waits for host steps."""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Generator, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+import deltaserve
 from deltaserve.core.calibration import (
     Batching,
     CalibrationConfig,
@@ -164,3 +167,18 @@ def test_an_abandoned_stepped_run_closes_its_prober():
 def test_a_timing_needs_a_timed_run():
     with pytest.raises(InputError, match="seconds"):
         ProbeTiming(StepShape((8,)), ())
+
+
+def test_no_host_runs_the_plan_itself():
+    """The loop is written once: hosts supply a prober and never build the plan (issue 22)."""
+    hosts = Path(deltaserve.__file__).parent / "hosts"
+    callers = []
+    for path in sorted(hosts.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else \
+                    func.attr if isinstance(func, ast.Attribute) else None
+                if name == "build_plan":
+                    callers.append(str(path.relative_to(hosts)))
+    assert not callers

@@ -10,7 +10,6 @@ copy of the same size. One untimed warm-up run precedes the timed repeats of eve
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -95,7 +94,7 @@ def time_probe(engine: ProbedEngine, probe: CalibrationProbe, lora: LoRAConfig,
     its repeats after one warm-up run: one slow run (another process on the core) is not the
     shape."""
     shape, times = probe_runs(engine, probe, lora, rng, adapter, scratch)
-    return shape, statistics.median(times)
+    return shape, ProbeTiming(shape, tuple(times)).median_s
 
 
 def probe_runs(engine: ProbedEngine, probe: CalibrationProbe, lora: LoRAConfig,

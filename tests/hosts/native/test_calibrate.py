@@ -72,7 +72,7 @@ def test_calibration_fits_the_engine_it_ran_exactly(tiny, monkeypatch):
         return result
 
     eng.runner.run = timed_run
-    lm = native_calibrate.calibrate(eng, LoRAConfig(r=4, alpha=8), SMALL_CAL, progress=False)
+    lm = eng.calibrate(LoRAConfig(r=4, alpha=8), SMALL_CAL, None, progress=False)
 
     # every probe of the plan ran as planned (warm-up and repeats alike)
     plan = build_plan(eng.limits, SMALL_CAL)

@@ -1,40 +1,55 @@
-"""Start-up calibration: the profiling plan run through the engine's real forward path.
+"""Start-up calibration of the embedded engine: its prober runs each probe of the plan through
+the engine's real forward path (the loop around it is :mod:`deltaserve.core.calibration_loop`).
 
 Each probe becomes a real batch: synthetic requests that own real KV blocks (their cached
 context is not computed: attention costs the same whatever the cached values are), plus
 training rows on a stand-in training adapter with the co-server's LoRA config and a capture
-copy of the same size. One untimed warm-up run precedes the timed repeats of every probe; the
-probe's observation is the median of its repeats.
+copy of the same size. One untimed warm-up run precedes the timed repeats of every probe.
 """
 
 from __future__ import annotations
 
 import random
-import statistics
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
-from tqdm import tqdm
 
-from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, build_plan
-from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
+from deltaserve.core.calibration import CalibrationProbe, HostLimits
+from deltaserve.core.calibration_loop import ProbeTiming
 from deltaserve.core.requests import SamplingParams
 from deltaserve.core.shape import StepShape
+from deltaserve.hosts.native.block_manager import BlockManager
+from deltaserve.hosts.native.model_runner import ModelRunner
 from deltaserve.hosts.native.request import Request
+from deltaserve.hosts.native.sampler import Sampler
 from deltaserve.hosts.native.scheduler import ScheduledBatch, ScheduledItem
 from deltaserve.hosts.native.view import step_shape
 from deltaserve.hosts.probe import ProbeStep, probe_step, random_rows
+from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
 
-if TYPE_CHECKING:  # the engine calls this module
-    from deltaserve.hosts.native.engine import LLMEngine
+
+class ProbedEngine(Protocol):
+    """The parts of the embedded engine a probe runs on (the engine is one; naming them here
+    instead of the engine keeps this module below ``engine.py``, which builds the prober)."""
+
+    model: LlamaModel
+    runner: ModelRunner
+    blocks: BlockManager
+    sampler: Sampler
+
+    @property
+    def limits(self) -> HostLimits: ...
+
+    def has_unfinished(self) -> bool: ...
 
 
 class _Probe:
     """The requests of one probe, holding KV blocks until released."""
 
-    def __init__(self, engine: LLMEngine, probe: CalibrationProbe, rng: random.Random):
+    def __init__(self, engine: ProbedEngine, probe: CalibrationProbe, rng: random.Random):
         self.engine = engine
         vocab = engine.model.config.vocab_size
         items: list[ScheduledItem] = []
@@ -72,17 +87,17 @@ def _probe_step(shape: StepShape, vocab: int, lora: LoRAConfig, rng: random.Rand
     return probe_step(random_rows(shape.ft_lens, vocab, rng), shape, lora.dropout, scratch)
 
 
-def time_probe(engine: LLMEngine, probe: CalibrationProbe, lora: LoRAConfig,
+def time_probe(engine: ProbedEngine, probe: CalibrationProbe, lora: LoRAConfig,
                rng: random.Random, adapter: AdapterWeights, scratch: torch.Tensor
                ) -> tuple[StepShape, float]:
     """The shape a probe ran as (its mode is what the step reported) and the median seconds of
     its repeats after one warm-up run: one slow run (another process on the core) is not the
     shape."""
     shape, times = probe_runs(engine, probe, lora, rng, adapter, scratch)
-    return shape, statistics.median(times)
+    return shape, ProbeTiming(shape, tuple(times)).median_s
 
 
-def probe_runs(engine: LLMEngine, probe: CalibrationProbe, lora: LoRAConfig,
+def probe_runs(engine: ProbedEngine, probe: CalibrationProbe, lora: LoRAConfig,
                rng: random.Random, adapter: AdapterWeights, scratch: torch.Tensor
                ) -> tuple[StepShape, list[float]]:
     """The shape a probe ran as and the seconds of each of its repeats (after one warm-up run,
@@ -107,30 +122,45 @@ def probe_runs(engine: LLMEngine, probe: CalibrationProbe, lora: LoRAConfig,
     return shape, times
 
 
-def calibrate(engine: LLMEngine, lora: LoRAConfig, config: CalibrationConfig | None = None,
-              latency: LatencyModelConfig | None = None, *, seed: int = 0,
-              progress: bool = True) -> LatencyModel:
-    """Time the calibration plan on ``engine`` (which must be idle) and fit a latency model."""
-    if engine.has_unfinished():
-        raise RuntimeError("calibrate an idle engine: requests are in flight")
-    plan = build_plan(engine.limits, config)
-    model = LatencyModel(latency)
-    mc = engine.model.config
-    adapter = AdapterWeights(mc, lora, device=engine.model.weights.device).init_peft_(seed)
-    scratch = torch.empty(mc.num_layers, engine.limits.max_tokens_per_step, mc.hidden_size,
-                          dtype=engine.model.weights.dtype, device=engine.model.weights.device)
-    rng = random.Random(seed)
-    graphs = engine.runner.graphs
-    for probe in tqdm(plan, desc="calibrating", unit="probe", disable=not progress):
+class NativeProber:
+    """Times each probe on ``engine`` (which must be idle), its training rows on a stand-in
+    adapter with PEFT's initial weights for ``lora``."""
+
+    def __init__(self, engine: ProbedEngine, lora: LoRAConfig, *, seed: int = 0):
+        self.engine, self.lora, self.seed = engine, lora, seed
+        self.rng = random.Random(seed)
+        self._adapter: AdapterWeights | None = None
+        self._scratch: torch.Tensor | None = None
+
+    @property
+    def limits(self) -> HostLimits:
+        return self.engine.limits
+
+    def open(self, plan: Sequence[CalibrationProbe]) -> None:
+        if self.engine.has_unfinished():
+            raise RuntimeError("calibrate an idle engine: requests are in flight")
+        mc, weights = self.engine.model.config, self.engine.model.weights
+        self._adapter = AdapterWeights(mc, self.lora, device=weights.device).init_peft_(self.seed)
+        self._scratch = torch.empty(mc.num_layers, self.limits.max_tokens_per_step,
+                                    mc.hidden_size, dtype=weights.dtype, device=weights.device)
+
+    def time(self, probe: CalibrationProbe) -> Sequence[ProbeTiming]:
+        assert self._adapter is not None and self._scratch is not None, "open first"
+        runner = self.engine.runner
+        graphs = runner.graphs
         # a decode-only probe on a graph host runs both ways: base-model decodes replay graphs,
         # decodes carrying adapters run eager, and the model needs coefficients for both
         both = graphs is not None and probe.shape.is_decode_only and probe.shape.num_decode > 0
+        timings = []
         for use_graphs in ((True, False) if both else (graphs is not None,)):
-            engine.runner.graphs = graphs if use_graphs else None
+            runner.graphs = graphs if use_graphs else None
             try:
-                shape, seconds = time_probe(engine, probe, lora, rng, adapter, scratch)
+                shape, times = probe_runs(self.engine, probe, self.lora, self.rng, self._adapter,
+                                          self._scratch)
             finally:
-                engine.runner.graphs = graphs
-            model.add_calibration(shape, seconds)
-    model.fit()
-    return model
+                runner.graphs = graphs
+            timings.append(ProbeTiming(shape, tuple(times)))
+        return timings
+
+    def close(self) -> None:
+        self._adapter = self._scratch = None

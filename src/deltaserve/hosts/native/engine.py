@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
+from deltaserve.core.calibration_loop import run_calibration
 from deltaserve.core.contract import StepReport, TrainingStep, plan_after_yield
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ from deltaserve.hosts.base import BaseHost, ClientRequest
 from deltaserve.hosts.native.adapters import AdapterRegistry
 from deltaserve.hosts.native.attention import KVCache
 from deltaserve.hosts.native.block_manager import BlockManager
-from deltaserve.hosts.native.calibrate import calibrate
+from deltaserve.hosts.native.calibrate import NativeProber
 from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.native.cuda_graphs import DecodeGraphs, buckets_up_to
 from deltaserve.hosts.native.model_runner import ModelRunner, StepResult
@@ -115,7 +116,8 @@ class LLMEngine(BaseHost):
     def calibrate(self, lora: LoRAConfig, calibration: CalibrationConfig | None,
                   latency: LatencyModelConfig | None, *, seed: int = 0,
                   progress: bool = True) -> LatencyModel:
-        return calibrate(self, lora, calibration, latency, seed=seed, progress=progress)
+        return run_calibration(NativeProber(self, lora, seed=seed), calibration, latency,
+                               progress=progress)
 
     # ---- the engine half --------------------------------------------------------------------
     def _engine_submit(self, req: ClientRequest) -> None:

@@ -1,4 +1,5 @@
-"""Start-up calibration through SGLang's own scheduling and forward path.
+"""Start-up calibration through SGLang's own scheduling and forward path: its prober runs each
+probe of the plan (the loop around it is :mod:`deltaserve.core.calibration_loop`).
 
 Each probe becomes real SGLang work: hidden requests (never streamed) queued in SGLang's
 waiting queue, batched by its scheduler and run by its model runner, with the co-server's step
@@ -8,31 +9,28 @@ scratch buffer of its size) and receives every step's :class:`StepReport`, i.e. 
 really ran and its time, exactly as co-serving will. Decode probes hold ``B`` requests sharing
 one cached prompt of ``kv`` tokens (SGLang's radix cache, under a key of their own), so setting
 up a large decode batch costs one prefill. One untimed run precedes the timed repeats of every
-probe; the probe's observation is the median of its repeats.
+probe.
 """
 
 from __future__ import annotations
 
 import random
-import statistics
 import threading
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
-from tqdm import tqdm
 
 from deltaserve.core.admission import AdmissionPlan, SchedulingView
-from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, ProbeKind, build_plan
-from deltaserve.core.contract import StepReport, TrainingRows
-from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
-from deltaserve.core.shape import StepShape
+from deltaserve.core.calibration import CalibrationProbe, HostLimits, ProbeKind
+from deltaserve.core.calibration_loop import ProbeTiming
+from deltaserve.core.contract import CoServingHooks, StepReport, TrainingRows
 from deltaserve.hosts.base import RESERVED_ADAPTER_PREFIX
 from deltaserve.hosts.probe import ProbeStep
+from deltaserve.hosts.sglang.scheduler import CoServingScheduler
+from deltaserve.model.config import ModelConfig
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
-
-if TYPE_CHECKING:  # the training side calls this module
-    from deltaserve.hosts.sglang.training import SchedulerTrainingHost
 
 CALIBRATION_ADAPTER = f"{RESERVED_ADAPTER_PREFIX}calibration"
 
@@ -69,24 +67,70 @@ class _ProbeCoServer:
         return 0.0
 
 
-class _Prober:
-    """Runs probes on an idle scheduler with the stand-in co-server and adapter in place."""
+class ProbedPort(Protocol):
+    """What a probe needs of the training side over one scheduler (its
+    ``SchedulerTrainingHost`` is one; naming these here instead keeps this module below
+    ``training.py``, which builds the prober)."""
 
-    def __init__(self, port: SchedulerTrainingHost, lora: LoRAConfig, seed: int):
+    scheduler: CoServingScheduler
+
+    @property
+    def limits(self) -> HostLimits: ...
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def load_weights(self, name: str, adapter: AdapterWeights, *, pinned: bool = False
+                     ) -> str: ...
+
+    def unload(self, name: str, lora_id: str) -> None: ...
+
+
+class SGLangProber:
+    """Runs probes on an idle scheduler with the stand-in co-server and adapter (PEFT's initial
+    weights for ``lora``) in place from ``open`` to ``close``."""
+
+    def __init__(self, port: ProbedPort, lora: LoRAConfig, *, seed: int = 0):
         self.port, self.sched = port, port.scheduler
-        mc = port.model_config
-        self.vocab = mc.vocab_size
+        self.lora, self.seed = lora, seed
+        self.vocab = port.model_config.vocab_size
         self.rng = random.Random(seed)
-        adapter = AdapterWeights(mc, lora).init_peft_(seed)
+        self._saved: tuple[CoServingHooks | None, str | None] | None = None
+        self.lora_id: str | None = None
+        self._co: _ProbeCoServer | None = None
+
+    @property
+    def limits(self) -> HostLimits:
+        return self.port.limits
+
+    def open(self, plan: Sequence[CalibrationProbe]) -> None:
+        if self.port.has_unfinished():
+            raise RuntimeError("calibrate an idle SGLang: requests are in flight")
+        mc = self.port.model_config
+        adapter = AdapterWeights(mc, self.lora).init_peft_(self.seed)
         self._saved = (self.sched.deltaserve_co, self.sched.deltaserve_train_lora_id)
-        self.lora_id = port.load_weights(CALIBRATION_ADAPTER, adapter)
-        self.co = _ProbeCoServer(torch.empty(mc.num_layers, port.limits.max_tokens_per_step,
-                                             mc.hidden_size, dtype=port.dtype))
-        self.sched.deltaserve_co, self.sched.deltaserve_train_lora_id = self.co, self.lora_id
+        self.lora_id = self.port.load_weights(CALIBRATION_ADAPTER, adapter)
+        self._co = _ProbeCoServer(torch.empty(mc.num_layers, self.limits.max_tokens_per_step,
+                                              mc.hidden_size, dtype=self.port.dtype))
+        self.sched.deltaserve_co, self.sched.deltaserve_train_lora_id = self._co, self.lora_id
 
     def close(self) -> None:
-        self.sched.deltaserve_co, self.sched.deltaserve_train_lora_id = self._saved
-        self.port.unload(CALIBRATION_ADAPTER, self.lora_id)
+        if self._saved is not None:
+            self.sched.deltaserve_co, self.sched.deltaserve_train_lora_id = self._saved
+        if self.lora_id is not None:
+            self.port.unload(CALIBRATION_ADAPTER, self.lora_id)
+        self._saved = self.lora_id = self._co = None
+
+    @property
+    def co(self) -> _ProbeCoServer:
+        """The stand-in co-server (between ``open`` and ``close``)."""
+        assert self._co is not None, "open the prober first"
+        return self._co
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
@@ -113,14 +157,15 @@ class _Prober:
             if idle > 100:  # SGLang holds requests it cannot schedule: a probe too large
                 raise RuntimeError("calibration: SGLang cannot run a probe's requests")
 
-    def time(self, probe: CalibrationProbe) -> tuple[StepShape, float]:
-        """The shape a probe ran as and the median seconds of its timed repeats."""
+    def time(self, probe: CalibrationProbe) -> Sequence[ProbeTiming]:
+        """The shape a probe ran as (its first timed step's) and the seconds of its timed
+        repeats."""
         if probe.kind is ProbeKind.DECODE_GRID:
             reports = self._decode(probe)
         else:
             reports = self._prefill(probe)
         timed = reports[1:]  # the first run of a shape warms caches and allocators
-        return timed[0].shape, statistics.median(r.seconds for r in timed)
+        return [ProbeTiming(timed[0].shape, tuple(r.seconds for r in timed))]
 
     def _prefill(self, probe: CalibrationProbe) -> list[StepReport]:
         """Fresh prompts (behind ``prefix_len`` tokens cached under the probe's key) and the
@@ -159,20 +204,3 @@ class _Prober:
                                f"{[r.shape for r in reports]}")
         return reports
 
-
-def calibrate(port: SchedulerTrainingHost, lora: LoRAConfig,
-              config: CalibrationConfig | None = None, latency: LatencyModelConfig | None = None,
-              *, seed: int = 0, progress: bool = True) -> LatencyModel:
-    """Time the calibration plan on SGLang (which must be idle) and fit a latency model."""
-    if port.has_unfinished():
-        raise RuntimeError("calibrate an idle SGLang: requests are in flight")
-    model = LatencyModel(latency)
-    prober = _Prober(port, lora, seed)
-    try:
-        for probe in tqdm(build_plan(port.limits, config), desc="calibrating", unit="probe",
-                          disable=not progress):
-            model.add_calibration(*prober.time(probe))
-    finally:
-        prober.close()
-    model.fit()
-    return model

@@ -21,12 +21,13 @@ import torch
 from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
 
 from deltaserve.core.calibration import CalibrationConfig, HostLimits
+from deltaserve.core.calibration_loop import run_calibration
 from deltaserve.core.contract import CoServingHooks
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.base import RESERVED_ADAPTER_PREFIX
-from deltaserve.hosts.sglang.calibrate import calibrate
+from deltaserve.hosts.sglang.calibrate import SGLangProber
 from deltaserve.hosts.sglang.publish import AdapterPublisher
 from deltaserve.hosts.sglang.scheduler import CoServingScheduler
 from deltaserve.hosts.sglang.weights import weights_from_sglang
@@ -99,7 +100,8 @@ class SchedulerTrainingHost:
                   latency: LatencyModelConfig | None, *, seed: int = 0,
                   progress: bool = True) -> LatencyModel:
         self.check_adapter(lora, "lora")
-        return calibrate(self, lora, calibration, latency, seed=seed, progress=progress)
+        return run_calibration(SGLangProber(self, lora, seed=seed), calibration, latency,
+                               progress=progress)
 
     def set_coserver(self, co: CoServingHooks | None) -> None:
         self.scheduler.deltaserve_co = co

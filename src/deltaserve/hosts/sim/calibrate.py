@@ -1,14 +1,15 @@
-"""Calibration on a simulated host: the same plan a real host runs (:func:`deltaserve.core.
-calibration.build_plan`), each probe timed by the oracle with its run-to-run noise, the median of
-its repeats fitted by the same latency model. Its error against the oracle is therefore measured
-(``LatencyModel.quality``, and online during a run), not assumed. No warm-up run: a simulated
-step has no caches to warm."""
+"""Calibration on a simulated host: the same loop and plan a real host runs
+(:mod:`deltaserve.core.calibration_loop`), each probe timed by the oracle with its run-to-run
+noise, the median of its repeats fitted by the same latency model. Its error against the oracle
+is therefore measured (``LatencyModel.quality``, and online during a run), not assumed. No
+warm-up run: a simulated step has no caches to warm."""
 
 from __future__ import annotations
 
-import statistics
+from collections.abc import Sequence
 
-from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, HostLimits, build_plan
+from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, HostLimits
+from deltaserve.core.calibration_loop import ProbeTiming, run_calibration
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.shape import ExecMode, StepShape
 from deltaserve.hosts.sim.hardware import SimHardware
@@ -32,22 +33,43 @@ def probe_batch(hw: SimHardware, probe: CalibrationProbe, mode: ExecMode) -> Sim
         ft_lens=s.ft_lens, mode=mode, tp=hw.tp)
 
 
-def calibrate(hw: SimHardware, limits: HostLimits, config: CalibrationConfig | None = None,
-              latency: LatencyModelConfig | None = None, *, seed: int = 0) -> LatencyModel:
-    noise = StepNoise(hw.noise_sigma, seed)
-    model = LatencyModel(latency)
-    for probe in build_plan(limits, config):
+class SimProber:
+    """Times each probe with the oracle, each repeat scaled by the run-to-run noise drawn
+    from ``seed``."""
+
+    def __init__(self, hw: SimHardware, limits: HostLimits, *, seed: int = 0):
+        self.hw, self._limits = hw, limits
+        self.noise = StepNoise(hw.noise_sigma, seed)
+
+    @property
+    def limits(self) -> HostLimits:
+        return self._limits
+
+    def open(self, plan: Sequence[CalibrationProbe]) -> None:
+        """Nothing to set up: the oracle holds no state."""
+
+    def time(self, probe: CalibrationProbe) -> Sequence[ProbeTiming]:
         # as on a graph host: a decode-only probe runs replayed and eager (adapter rows)
-        modes = [graph_mode(hw, probe.shape)]
+        modes = [graph_mode(self.hw, probe.shape)]
         if modes[0] is ExecMode.GRAPH:
             modes.append(ExecMode.EAGER)
+        timings = []
         for mode in modes:
-            batch = probe_batch(hw, probe, mode)
-            times = [hw.oracle.step_seconds(batch) * noise.factor()
-                     for _ in range(probe.repeats)]
+            batch = probe_batch(self.hw, probe, mode)
+            times = tuple(self.hw.oracle.step_seconds(batch) * self.noise.factor()
+                          for _ in range(probe.repeats))
             shape = probe.shape if mode is ExecMode.EAGER else StepShape(
                 probe.shape.prefill_lens, probe.shape.num_decode, probe.shape.kv_tokens,
                 mode=mode)
-            model.add_calibration(shape, statistics.median(times))
-    model.fit()
-    return model
+            timings.append(ProbeTiming(shape, times))
+        return timings
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def calibrate(hw: SimHardware, limits: HostLimits, config: CalibrationConfig | None = None,
+              latency: LatencyModelConfig | None = None, *, seed: int = 0) -> LatencyModel:
+    """The shared loop with :class:`SimProber`: the simulated engine and the benches call this
+    one name."""
+    return run_calibration(SimProber(hw, limits, seed=seed), config, latency, progress=False)

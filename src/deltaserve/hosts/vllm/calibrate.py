@@ -11,26 +11,30 @@ that vLLM schedules like any other, and every timed point is the shape vLLM actu
 * training rows: requests on the reserved training adapter, captured into a scratch buffer of
   the co-server's layout, so the capture copy is part of the timing.
 
-Each probe runs one untimed warm-up step and then ``repeats`` timed steps. The run is a
-generator the scheduler advances once per step, so the same code serves an in-process host
-(which drives ``llm_engine.step()`` until it is done) and the engine process of
-``deltaserve serve`` (whose busy loop steps it before the API server accepts requests). The
-training rows of a probe are a :class:`~deltaserve.hosts.probe.ProbeStep` handed to the
-worker's hooks like a co-server's step.
+Each probe runs one untimed warm-up step and then ``repeats`` timed steps; every timed step is
+its own point (vLLM may run a probe's steps in different shapes). vLLM steps when its engine loop
+does, not when the calibration asks, so the prober is a
+:class:`~deltaserve.core.calibration_loop.SteppedProber` and :class:`CalibrationRun` advances the
+shared loop (:func:`~deltaserve.core.calibration_loop.calibration_steps`) once per scheduler step.
+The same code serves an in-process host (which drives ``llm_engine.step()`` until it is done) and
+the engine process of ``deltaserve serve`` (whose busy loop steps it before the API server accepts
+requests). The training rows of a probe are a :class:`~deltaserve.hosts.probe.ProbeStep` handed to
+the worker's hooks like a co-server's step.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, HostLimits, build_plan
+from deltaserve.core.calibration import CalibrationConfig, CalibrationProbe, HostLimits
+from deltaserve.core.calibration_loop import ProbeTiming, calibration_steps
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
 from deltaserve.core.shape import StepShape
 from deltaserve.hosts.probe import probe_step, random_rows
@@ -42,7 +46,6 @@ from deltaserve.model.config import ModelConfig
 # Set-up steps a probe may take beyond what its token count needs before it is skipped (a probe
 # can stall when vLLM preempts or defers its requests).
 _STEP_SLACK = 16
-ProbeDone = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -63,70 +66,98 @@ class StepResult:
 
 
 class CalibrationRun:
-    """One pass over the calibration plan, advanced by the scheduler step by step. The
-    training adapter (``train_lora``) must be reserved; ``on_done`` is called with the fitted
-    model."""
+    """One pass of the shared calibration loop over vLLM, advanced by the scheduler step by
+    step. The training adapter (``train_lora``) must be reserved; ``on_done`` is called with the
+    fitted model, which ``model`` then holds."""
 
     def __init__(self, facts: EngineFacts, config: CalibrationConfig | None,
                  latency: LatencyModelConfig | None, train_lora: LoRARequest, *, seed: int = 0,
-                 on_probe: ProbeDone | None = None,
+                 progress: bool = False,
                  on_done: Callable[[LatencyModel], None] | None = None):
-        self.plan: tuple[CalibrationProbe, ...] = build_plan(facts.limits, config)
-        self.model = LatencyModel(latency)
-        self.facts = facts
-        self.train_lora = train_lora
-        self.on_probe = on_probe
+        self.prober = VLLMProber(facts, train_lora, seed=seed)
+        self.config, self.latency, self.progress = config, latency, progress
         self.on_done = on_done
-        self.rng = random.Random(seed)
-        ft_max = max((p.shape.num_ft_tokens for p in self.plan), default=0)
-        mc = facts.model_config
-        self.scratch = torch.empty(mc.num_layers, max(ft_max, 1), mc.hidden_size,
-                                   dtype=facts.dtype)
+        self.model: LatencyModel | None = None
         self.done = False
-        self.points = 0
-        self.skipped: list[str] = []
-        self._sched: Scheduler | None = None
-        self._hidden: HiddenRequests | None = None
-        self._gen: Generator[None, StepResult, None] | None = None
-        self._ft: list[tuple[str, tuple[int, ...]]] = []
+        self._steps: Generator[None, StepResult, LatencyModel] | None = None
+
+    @property
+    def points(self) -> int:
+        """Timed points so far."""
+        return self.prober.points
 
     # ---- what the scheduler calls -----------------------------------------------------------
     def before_schedule(self, sched: Scheduler, hidden: HiddenRequests) -> None:
-        if self._gen is None:
-            self._sched, self._hidden = sched, hidden
-            self._gen = self._run()
+        if self._steps is None:
+            self.prober.bind(sched, hidden)
+            self._steps = calibration_steps(self.prober, self.config, self.latency,
+                                            progress=self.progress)
             self._advance(None)
+
+    def rows_for(self, ex: Executed) -> RowLayout | None:
+        return self.prober.rows_for(ex)
+
+    def after_step(self, shape: StepShape, seconds: float) -> None:
+        self._advance(StepResult(shape, seconds))
+
+    def _advance(self, result: StepResult | None) -> None:
+        assert self._steps is not None
+        try:
+            if result is None:
+                next(self._steps)
+            else:
+                self._steps.send(result)
+        except StopIteration as stop:
+            self.done = True
+            self.model = stop.value
+            if self.on_done is not None:
+                self.on_done(stop.value)
+
+
+class VLLMProber:
+    """Times each probe over the scheduler steps vLLM runs for it (a
+    :class:`~deltaserve.core.calibration_loop.SteppedProber` sent each step's
+    :class:`StepResult`). ``bind`` gives it the scheduler before the loop opens it."""
+
+    def __init__(self, facts: EngineFacts, train_lora: LoRARequest, *, seed: int = 0):
+        self.facts = facts
+        self.train_lora = train_lora
+        self.rng = random.Random(seed)
+        self.points = 0
+        self.skipped: list[str] = []
+        self.scratch: torch.Tensor | None = None
+        self._sched: Scheduler | None = None
+        self._hidden: HiddenRequests | None = None
+        self._ft: list[tuple[str, tuple[int, ...]]] = []
+
+    @property
+    def limits(self) -> HostLimits:
+        return self.facts.limits
+
+    def bind(self, sched: Scheduler, hidden: HiddenRequests) -> None:
+        self._sched, self._hidden = sched, hidden
+
+    def open(self, plan: Sequence[CalibrationProbe]) -> None:
+        """A capture buffer for the largest training rows of the plan."""
+        ft_max = max((p.shape.num_ft_tokens for p in plan), default=0)
+        mc = self.facts.model_config
+        self.scratch = torch.empty(mc.num_layers, max(ft_max, 1), mc.hidden_size,
+                                   dtype=self.facts.dtype)
+
+    def close(self) -> None:
+        self._ft = []
 
     def rows_for(self, ex: Executed) -> RowLayout | None:
         """The probe's training rows in this step (those vLLM scheduled whole)."""
         ft = [(rid, ids) for rid, ids in self._ft if ex.hidden.get(rid) == (0, len(ids))]
         if not ft:
             return None
+        assert self.scratch is not None
         step = probe_step(tuple(ids for _, ids in ft), ex.shape, 0.0, self.scratch)
         return RowLayout(step, tuple(rid for rid, _ in ft))
 
-    def after_step(self, shape: StepShape, seconds: float) -> None:
-        self._advance(StepResult(shape, seconds))
-
-    # ---- the run ----------------------------------------------------------------------------
-    def _advance(self, value: StepResult | None) -> None:
-        assert self._gen is not None
-        try:
-            self._gen.send(value)  # type: ignore[arg-type]
-        except StopIteration:
-            self.done = True
-            self.model.fit()
-            if self.on_done is not None:
-                self.on_done(self.model)
-
     def _tokens(self, n: int) -> list[int]:
         return list(random_rows((n,), self.facts.model_config.vocab_size, self.rng)[0])
-
-    def _run(self) -> Generator[None, StepResult, None]:
-        for i, probe in enumerate(self.plan):
-            yield from self._probe(probe)
-            if self.on_probe is not None:
-                self.on_probe(i + 1, len(self.plan))
 
     def _skip(self, probe: CalibrationProbe) -> str | None:
         if not self._fits_kv(probe, probe.repeats + 1):
@@ -135,19 +166,26 @@ class CalibrationRun:
             return "needs prefix caching"
         return None
 
-    def _probe(self, probe: CalibrationProbe) -> Generator[None, StepResult, None]:
+    def time(self, probe: CalibrationProbe
+             ) -> Generator[None, StepResult, Sequence[ProbeTiming]]:
+        """One timing per timed step that ran something (none if the probe was skipped)."""
         why = self._skip(probe)
         if why is not None:
             self.skipped.append(f"{probe.kind}: {probe.shape} ({why})")
-            return
+            return ()
         owned: list[str] = []
+        timings: list[ProbeTiming] = []
         try:
             prefix, salt = yield from self._set_up(probe, owned)
             if prefix is None:
                 self.skipped.append(f"{probe.kind}: {probe.shape} (set-up did not finish)")
-                return
+                return ()
             for step in range(probe.repeats + 1):
-                yield from self._timed_step(probe, prefix, salt, owned, timed=step > 0)
+                result = yield from self._run_step(probe, prefix, salt, owned)
+                if step > 0 and not result.shape.is_empty:  # the first run warms caches
+                    timings.append(ProbeTiming(result.shape, (result.seconds,)))
+                    self.points += 1
+            return timings
         finally:
             self._ft = []
             assert self._hidden is not None
@@ -184,8 +222,9 @@ class CalibrationRun:
                 return None, None
         return prefix, salt
 
-    def _timed_step(self, probe: CalibrationProbe, prefix: list[int], salt: str | None,
-                    owned: list[str], *, timed: bool) -> Generator[None, StepResult, None]:
+    def _run_step(self, probe: CalibrationProbe, prefix: list[int], salt: str | None,
+                  owned: list[str]) -> Generator[None, StepResult, StepResult]:
+        """One step of the probe's prefills and training rows; what vLLM ran and its time."""
         hidden = self._hidden
         assert hidden is not None
         extra = [hidden.add(HiddenKind.PROBE, prefix + self._tokens(n), salt=salt)
@@ -199,10 +238,8 @@ class CalibrationRun:
             owned.append(req.request_id)
         result = yield
         self._ft = []
-        if timed and not result.shape.is_empty:
-            self.model.add_calibration(result.shape, result.seconds)
-            self.points += 1
         hidden.abort([r.request_id for r in extra])  # a chunk left over, if any
+        return result
 
     def _fits_kv(self, probe: CalibrationProbe, steps: int) -> bool:
         """Whether the probe's requests fit the KV cache's free blocks (else vLLM preempts)."""

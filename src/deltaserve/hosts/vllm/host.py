@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from vllm import LLM
 from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -136,21 +135,15 @@ class VLLMHost(DelegatedTraining, BaseHost):
         if self.has_unfinished():
             raise RuntimeError("calibrate an idle engine: requests are in flight")
         check_lora_fits(lora, self.engine.vllm_config)
-        bar = tqdm(desc="calibrating vLLM", unit="probe", disable=not progress)
-
-        def on_probe(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
         run = self.training.calibration_run(lora, calibration, latency, seed=seed,
-                                            on_probe=on_probe)
+                                            progress=progress)
         self.link.calibration = run
         try:
             while not run.done:
                 self.step()
         finally:
             self.link.calibration = None
-            bar.close()
+        assert run.model is not None
         return run.model
 
     def set_coserver(self, co: CoServingHooks | None) -> None:

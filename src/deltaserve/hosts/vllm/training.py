@@ -15,7 +15,7 @@ from vllm.config import VllmConfig
 
 from deltaserve.core.calibration import Batching, CalibrationConfig, HostLimits
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig
-from deltaserve.hosts.vllm.calibrate import CalibrationRun, EngineFacts, ProbeDone
+from deltaserve.hosts.vllm.calibrate import CalibrationRun, EngineFacts
 from deltaserve.hosts.vllm.link import EngineLink
 from deltaserve.hosts.vllm.publish import AdapterPublisher
 from deltaserve.hosts.vllm.scheduler import CoServingScheduler
@@ -76,7 +76,7 @@ class EngineTraining:
 
     def calibration_run(self, lora: LoRAConfig, calibration: CalibrationConfig | None,
                         latency: LatencyModelConfig | None, *, seed: int,
-                        on_probe: ProbeDone | None = None,
+                        progress: bool = False,
                         on_done: Callable[[LatencyModel], None] | None = None
                         ) -> CalibrationRun:
         """A calibration plan for the scheduler to run; its training rows use the training
@@ -87,7 +87,7 @@ class EngineTraining:
         facts = EngineFacts(self.limits, self.model_config, self.dtype,
                             self.scheduler.block_size, bool(cc.enable_prefix_caching))
         return CalibrationRun(facts, calibration, latency, self.link.train_lora, seed=seed,
-                              on_probe=on_probe, on_done=on_done)
+                              progress=progress, on_done=on_done)
 
     def _publisher(self, lora: LoRAConfig, weights: Callable[[], AdapterWeights]
                    ) -> AdapterPublisher:

@@ -25,8 +25,8 @@ import requests
 import torch
 
 from deltaserve.core.errors import InputError
-from deltaserve.hosts.sglang.serve import parse
-from deltaserve.hosts.sglang.serve_config import ServeState, ServeStatus
+from deltaserve.entrypoints.serve_sglang import parse
+from deltaserve.hosts.sglang.serve_spec import ServeState, ServeStatus
 from deltaserve.hosts.sglang.training import TRAIN_ADAPTER
 from deltaserve.train.checkpoint_store import find_latest
 from tests.hosts.sglang.common import LORA, hf_greedy

@@ -56,7 +56,7 @@ def wait_for(predicate, timeout_s: float, proc) -> None:
 
 
 def deltaserve_serve(args: list[str], log, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see conftest: a shared 2-core machine
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests/hosts/sglang/session.py
     return subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "serve", "--engine",
                              "sglang", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                             **kw)

@@ -120,7 +120,7 @@ def build_parser() -> tuple[FlexibleArgumentParser, Flags, Flags]:
     return parser, coserve_flags, server_flags
 
 
-# ---- everything checked before vLLM loads the model -----------------------------------------
+# ---- both modes, and one dataset (--finetune-dataset): checked before vLLM loads the model ---
 def coserve_config(args: argparse.Namespace, flags: Flags) -> CoServeConfig:
     """The co-serving config from the ``--finetune-*`` flags, each checked (``InputError``
     naming the flag and value), and the latency-model file if one is given."""

@@ -49,7 +49,7 @@ assert sglang.__version__ == "0.5.23", sglang.__version__
 from sglang.srt.entrypoints.engine import Engine  # noqa: F401  (every import it needs is there)
 
 import deltaserve.cli  # noqa: F401  (the CLI, service included, imports in this venv)
-import deltaserve.hosts.sglang.serve  # noqa: F401
+import deltaserve.entrypoints.serve_sglang  # noqa: F401
 
 print(f"deltaserve SGLang environment ready: sglang {sglang.__version__}, torch {torch.__version__}")
 PY

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# The SGLang session's host (process-global), registered once for every directory that uses it
+pytest_plugins = ("tests.hosts.sglang.session",)
+
 _CANDIDATES = [Path(p) for p in (os.environ.get("DELTASERVE_SHARED_DATA"),) if p] + [
     Path(__file__).resolve().parents[1].parent / "shared" / "data",
     Path("/work/shared/data"),

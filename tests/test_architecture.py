@@ -25,6 +25,7 @@ LOCAL_IMPORTS_ALLOWED = {
 ANY_ALLOWED = {
     "hosts/vllm": "vLLM's internal objects (scheduler state, runner batches) are untyped",
     "hosts/sglang": "SGLang's internal objects (batches, server args) are untyped",
+    "entrypoints/serve_sglang.py": "SGLang's server args, as in hosts/sglang",
     "core/tokenizer.py": "a Hugging Face tokenizer's keyword arguments and return values",
 }
 

@@ -22,11 +22,11 @@ from deltaserve.bench.sim.experiment import run_sim_bench
 from deltaserve.bench.sim.plan import PlanConfig, plan
 from deltaserve.cli_flags import add_dataclass_flags, checked_from_args, from_args
 from deltaserve.core.errors import InputError
+from deltaserve.entrypoints.serve_native import ServeConfig, serve
 from deltaserve.hosts.config import HostConfig
 from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.registry import HOSTS, create_host
 from deltaserve.model.lora import LoRAConfig
-from deltaserve.server.launch import ServeConfig, serve
 from deltaserve.train.lost_steps import TrainingFailed
 from deltaserve.train.preflight import writable_file
 
@@ -79,9 +79,9 @@ def _serve_engine(engine: str, args: list[str]) -> int:
     rest = [a for i, a in enumerate(args) if a != "--engine" and not a.startswith("--engine=")
             and not (i > 0 and args[i - 1] == "--engine")]
     if engine == "vllm":
-        from deltaserve.server.vllm_serve import main as serve_main
+        from deltaserve.entrypoints.serve_vllm import main as serve_main
     else:
-        from deltaserve.hosts.sglang.serve import main as serve_main
+        from deltaserve.entrypoints.serve_sglang import main as serve_main
     return serve_main(rest)
 
 

@@ -16,12 +16,18 @@ from fastapi import FastAPI
 from deltaserve.core.calibration import CalibrationConfig
 from deltaserve.core.slo import SLOConfig
 from deltaserve.core.synthetic_task import generate
+from deltaserve.entrypoints.serve_native import (
+    HostLoop,
+    ServeConfig,
+    Service,
+    start_service,
+    validate,
+)
 from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.native.engine import LLMEngine
 from deltaserve.model.loading import load_tokenizer
 from deltaserve.model.lora import ALL_MODULES, LoRAConfig
 from deltaserve.server import ServerConfig, create_app
-from deltaserve.server.launch import HostLoop, ServeConfig, Service, start_service, validate
 from deltaserve.train.config import BackwardConfig, CoServeConfig
 from tests.server.live import API_KEY, wait_for
 from tests.tiny import hf_tiny_llama

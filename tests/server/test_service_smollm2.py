@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.core.slo import SLOConfig
+from deltaserve.entrypoints.serve_native import ServeConfig
 from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.model.lora import LoRAConfig
 from deltaserve.server import ServerConfig
-from deltaserve.server.launch import ServeConfig
 from deltaserve.train.config import CoServeConfig
 from tests.server.live import API_KEY, TERMINAL, upload, wait_status
 from tests.server.real import SMALL_CAL, start_real_server, task_files

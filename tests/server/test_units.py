@@ -12,10 +12,10 @@ from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import InputError
 from deltaserve.core.slo import SLOConfig
 from deltaserve.server.db import Database
+from deltaserve.server.db_records import JOB_PREFIX, JobRecord, JobStatus, new_id
 from deltaserve.server.hyperparameters import Hyperparameters, job_defaults, resolve
 from deltaserve.server.progress import ProgressLog
 from deltaserve.server.protocols import StepMetrics
-from deltaserve.server.records import JOB_PREFIX, JobRecord, JobStatus, new_id
 from deltaserve.server.store import Store
 from deltaserve.server.streaming import TextDelta
 from deltaserve.train.config import BackwardConfig, CoServeConfig

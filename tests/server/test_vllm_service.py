@@ -29,7 +29,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from deltaserve.model.loading import load_tokenizer, resolve_model
-from tests.hosts.vllm.test_serve import _free_port, _listening_addresses, _status, _wait_up
+from tests.entrypoints.test_serve_vllm import _free_port, _listening_addresses, _status, _wait_up
 from tests.server.live import API_KEY, TERMINAL, upload, wait_status
 from tests.server.real import task_files
 from tests.server.test_jobs import all_events

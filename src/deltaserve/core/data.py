@@ -1,4 +1,4 @@
-"""Fine-tuning data: read Alpaca, chat or ShareGPT records (:mod:`deltaserve.core.records`),
+"""Fine-tuning data: read Alpaca, chat or ShareGPT records (:mod:`deltaserve.core.dataset_files`),
 tokenize with the chat template, mask prompts.
 
 Formats:
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from deltaserve.core.dataset_files import Conversation, Message, iter_rows, to_conversation
 from deltaserve.core.errors import InputError, require, require_choice
-from deltaserve.core.records import Conversation, Message, iter_rows, to_conversation
 from deltaserve.core.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100

@@ -3,7 +3,6 @@ co-serving host, with SQLite state under ``--data-dir``, Prometheus ``/metrics``
 ``/dashboard``. Built against the Protocols in :mod:`deltaserve.server.protocols`."""
 
 from deltaserve.server.app import create_app
-from deltaserve.server.cli import add_server_args, config_from_args, run_server
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.protocols import (
     InferenceBackend,
@@ -11,6 +10,7 @@ from deltaserve.server.protocols import (
     ServingStatsSnapshot,
     TrainingRunner,
 )
+from deltaserve.server.run import add_server_args, config_from_args, run_server
 
 __all__ = ["InferenceBackend", "ServerConfig", "ServingStats", "ServingStatsSnapshot",
            "TrainingRunner", "add_server_args", "config_from_args", "create_app", "run_server"]

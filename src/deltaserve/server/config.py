@@ -1,4 +1,4 @@
-"""The service's configuration (one flag per field, see ``server.cli``)."""
+"""The service's configuration (one flag per field, see ``server.run``)."""
 
 from __future__ import annotations
 

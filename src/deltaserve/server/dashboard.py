@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse
 
 from deltaserve.server.context import Svc
 from deltaserve.server.dashboard_page import render
-from deltaserve.server.records import JobStatus
+from deltaserve.server.db_records import JobStatus
 
 router = APIRouter(prefix="/dashboard")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from deltaserve.core.durable import fsync_dir
 from deltaserve.core.errors import InputError
 from deltaserve.model.peft_io import CONFIG_NAME, WEIGHTS_NAME
-from deltaserve.server.records import FILE_PREFIX, JOB_PREFIX, new_id
+from deltaserve.server.db_records import FILE_PREFIX, JOB_PREFIX, new_id
 
 _ID = {FILE_PREFIX: re.compile(r"file-[0-9a-f]{24}"), JOB_PREFIX: re.compile(r"ftjob-[0-9a-f]{24}")}
 

@@ -24,6 +24,7 @@ from typing import Literal
 from deltaserve.core.errors import InputError
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.data_dir import DataDir
+from deltaserve.server.db_records import CheckpointRecord, JobError, JobRecord, JobStatus
 from deltaserve.server.errors import APIError
 from deltaserve.server.events import EventSink
 from deltaserve.server.job_data import JobDataError, load_job_data
@@ -40,7 +41,6 @@ from deltaserve.server.protocols import (
     TrainingJobSpec,
     TrainingRunner,
 )
-from deltaserve.server.records import CheckpointRecord, JobError, JobRecord, JobStatus
 from deltaserve.server.store import Store
 
 log = logging.getLogger("deltaserve.server")

@@ -4,15 +4,15 @@ adapter store, and progress lines in the log."""
 from __future__ import annotations
 
 from deltaserve.server.data_dir import DataDir
-from deltaserve.server.model_registry import checkpoint_model_name
-from deltaserve.server.progress import ProgressLog
-from deltaserve.server.protocols import CheckpointEvent, FinishedEvent, StepMetrics
-from deltaserve.server.records import (
+from deltaserve.server.db_records import (
     CHECKPOINT_PREFIX,
     AdapterRecord,
     CheckpointRecord,
     new_id,
 )
+from deltaserve.server.model_registry import checkpoint_model_name
+from deltaserve.server.progress import ProgressLog
+from deltaserve.server.protocols import CheckpointEvent, FinishedEvent, StepMetrics
 from deltaserve.server.store import Store, now_s
 
 

@@ -11,8 +11,8 @@ from starlette.datastructures import UploadFile
 
 from deltaserve.server.context import Services, Svc
 from deltaserve.server.data_dir import is_id
+from deltaserve.server.db_records import FILE_PREFIX, FileRecord, new_id
 from deltaserve.server.errors import APIError, not_found
-from deltaserve.server.records import FILE_PREFIX, FileRecord, new_id
 from deltaserve.server.schemas_ft import (
     FileDeleted,
     FileObject,

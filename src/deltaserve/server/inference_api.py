@@ -17,10 +17,10 @@ from fastapi.responses import StreamingResponse
 from deltaserve.core.errors import InputError
 from deltaserve.core.requests import RequestOutput, SamplingParams
 from deltaserve.server.context import Services, Svc
+from deltaserve.server.db_records import new_id
 from deltaserve.server.errors import APIError, from_input_error
 from deltaserve.server.model_registry import ServedModel
 from deltaserve.server.prompts import chat_prompt_ids, completion_prompt_ids
-from deltaserve.server.records import new_id
 from deltaserve.server.schemas_ft import ListObject
 from deltaserve.server.schemas_inference import (
     AssistantMessage,

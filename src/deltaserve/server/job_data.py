@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from deltaserve.core.data import DataConfig, DatasetReport, TrainingSample, load_dataset
 from deltaserve.core.errors import InputError
 from deltaserve.server.data_dir import DataDir
+from deltaserve.server.db_records import JobError, JobRecord
 from deltaserve.server.protocols import InferenceBackend
-from deltaserve.server.records import JobError, JobRecord
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from deltaserve.core.errors import InputError
 from deltaserve.server.data_dir import DataDir, is_id
-from deltaserve.server.driver import JobDriver
-from deltaserve.server.errors import APIError, from_input_error, not_found
-from deltaserve.server.events import EventSink
-from deltaserve.server.hyperparameters import Hyperparameters, resolve
-from deltaserve.server.job_data import JobDataError, describe, load_job_data
-from deltaserve.server.protocols import InferenceBackend
-from deltaserve.server.records import (
+from deltaserve.server.db_records import (
     FILE_PREFIX,
     JOB_PREFIX,
     JobError,
@@ -25,6 +19,12 @@ from deltaserve.server.records import (
     JobStatus,
     new_id,
 )
+from deltaserve.server.driver import JobDriver
+from deltaserve.server.errors import APIError, from_input_error, not_found
+from deltaserve.server.events import EventSink
+from deltaserve.server.hyperparameters import Hyperparameters, resolve
+from deltaserve.server.job_data import JobDataError, describe, load_job_data
+from deltaserve.server.protocols import InferenceBackend
 from deltaserve.server.schemas_ft import JobCreate
 from deltaserve.server.store import Store, now_s
 

@@ -10,8 +10,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from deltaserve.server.db_records import AdapterRecord
 from deltaserve.server.protocols import InferenceBackend
-from deltaserve.server.records import AdapterRecord
 
 log = logging.getLogger("deltaserve.server")
 

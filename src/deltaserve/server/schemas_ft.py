@@ -7,7 +7,7 @@ from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deltaserve.server.records import (
+from deltaserve.server.db_records import (
     CheckpointRecord,
     EventRecord,
     FileRecord,

@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from deltaserve.server.db import Database
-from deltaserve.server.hyperparameters import Hyperparameters
-from deltaserve.server.protocols import StepMetrics, TrainingHyperparameters
-from deltaserve.server.records import (
+from deltaserve.server.db_records import (
     EVENT_PREFIX,
     AdapterRecord,
     CheckpointRecord,
@@ -26,6 +24,8 @@ from deltaserve.server.records import (
     JobRecord,
     JobStatus,
 )
+from deltaserve.server.hyperparameters import Hyperparameters
+from deltaserve.server.protocols import StepMetrics, TrainingHyperparameters
 
 
 def now_s() -> int:

@@ -22,7 +22,7 @@ SMALL_CAL = CalibrationConfig(decode_batches=(1, 2, 4, 8), decode_kv_lens=(16, 6
 
 
 def coserve(host, latency, data, *, batch_tokens=64, slo=SLOConfig(30.0, 30.0), **kw):
-    """A co-server on ``host``: one backward thread (see conftest), generous SLOs."""
+    """A co-server on ``host``: one backward thread (see session.py), generous SLOs."""
     config = CoServeConfig(slo, lora=LORA,
                            backward=BackwardConfig(batch_tokens=batch_tokens, threads=1), **kw)
     return host.attach(config, dataset=data, latency_model=latency, progress=False)

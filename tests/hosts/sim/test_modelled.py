@@ -8,7 +8,7 @@ from deltaserve.core.errors import InputError
 from deltaserve.hosts.sim.backward import BackwardJob, BackwardModel
 from deltaserve.hosts.sim.catalogue import LLAMA_3_8B
 from deltaserve.hosts.sim.modelled import (
-    LoraConfig,
+    AdapterShape,
     ModelledParams,
     adamw_seconds,
     backward_progress_seconds,
@@ -31,14 +31,14 @@ def test_parameters_refuse_nonsense():
         ModelledParams(backward_to_forward=-1.0)
     with pytest.raises(InputError, match="backward_share_under_decode"):
         ModelledParams(backward_share_under_decode=0.0)
-    with pytest.raises(InputError, match="targets"):
-        LoraConfig(targets=("gate_proj",))
+    with pytest.raises(InputError, match="target_modules"):
+        AdapterShape(target_modules=("gate_proj",))
 
 
 def test_lora_parameter_count_closed_form():
     # r16 on q (4096→4096), k and v (4096→1024), o (4096→4096), 32 layers
     expected = 32 * 16 * ((4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096))
-    assert LoraConfig().num_params(LLAMA_3_8B) == expected == 13_631_488
+    assert AdapterShape().num_params(LLAMA_3_8B) == expected == 13_631_488
 
 
 def test_graph_capture_sizes_follow_vllm():
@@ -48,7 +48,7 @@ def test_graph_capture_sizes_follow_vllm():
 
 def test_adamw_is_bandwidth_bound_over_the_adapter(oracle: ProfileOracle):
     params = ModelledParams()
-    got = adamw_seconds(params, LoraConfig(), LLAMA_3_8B, oracle.hbm_bytes_per_s)
+    got = adamw_seconds(params, AdapterShape(), LLAMA_3_8B, oracle.hbm_bytes_per_s)
     traffic_s = 13_631_488 * 28 / oracle.hbm_bytes_per_s
     assert got == pytest.approx(traffic_s + 4 * params.launch_overhead_s)
 
@@ -71,7 +71,7 @@ def test_backward_time_recomposes_and_grows_with_tokens(oracle: ProfileOracle):
     assert parts.total_s == pytest.approx(
         32 * (unit + params.grant_poll_s)
         + oracle.head_seconds(256, 1) * (1 + params.backward_to_forward)
-        + adamw_seconds(params, LoraConfig(), LLAMA_3_8B, oracle.hbm_bytes_per_s))
+        + adamw_seconds(params, AdapterShape(), LLAMA_3_8B, oracle.hbm_bytes_per_s))
     # more tokens cost more; the backward costs more than the forward that captured the rows
     assert model.seconds(BackwardJob((512,))) > model.seconds(BackwardJob((256,)))
     assert model.seconds(job) > oracle.step_seconds(SimBatch(ft_lens=(100, 156)))

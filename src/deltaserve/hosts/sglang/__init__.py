@@ -9,7 +9,10 @@ extension points (see ``docs/sglang.md``).
   one report per step).
 * :class:`~deltaserve.hosts.sglang.host.SGLangHost`: that scheduler and its model runner built
   in the caller's process, as a :class:`~deltaserve.hosts.base.BaseHost` (``create_host
-  ("sglang")``); :mod:`.serve`: SGLang's own OpenAI server with co-serving on.
+  ("sglang")``);
+* :class:`~deltaserve.hosts.sglang.serving.ServingScheduler` and :mod:`.serve_spec`: what SGLang's
+  own OpenAI server runs with co-serving on (started by
+  :mod:`deltaserve.entrypoints.serve_sglang`).
 
 Importing this package imports neither SGLang nor torch; its names load on first use.
 """

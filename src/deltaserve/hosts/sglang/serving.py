@@ -2,7 +2,7 @@
 server (``deltaserve serve --engine sglang``).
 
 DeltaServe's plugin puts this class in place of SGLang's ``Scheduler`` when
-``DELTASERVE_SGLANG_SERVE`` names a :class:`~deltaserve.hosts.sglang.serve_config.ServeConfig`.
+``DELTASERVE_SGLANG_SERVE`` names a :class:`~deltaserve.hosts.sglang.serve_spec.ServeSpec`.
 Before SGLang reports the scheduler ready (so before the HTTP server takes a request) it loads
 the dataset, calibrates through SGLang's own path (unless given a latency model), starts the
 backward and reserves the training adapter: :func:`deltaserve.train.attach.attach` over
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.hosts.sglang.scheduler import CoServingScheduler
-from deltaserve.hosts.sglang.serve_config import ServeConfig, ServeState, ServeStatus
+from deltaserve.hosts.sglang.serve_spec import ServeSpec, ServeState, ServeStatus
 from deltaserve.hosts.sglang.training import SchedulerTrainingHost
 from deltaserve.hosts.sglang.version import SERVE_ENV
 from deltaserve.model.loading import load_tokenizer, read_config
@@ -38,7 +38,7 @@ STATUS_EVERY_S = 1.0
 class ServingScheduler(CoServingScheduler):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._serve = ServeConfig.read(os.environ[SERVE_ENV])
+        self._serve = ServeSpec.read(os.environ[SERVE_ENV])
         self._status_path = self._serve.status_path()
         self._co: CoServer | None = None
         self._port: SchedulerTrainingHost | None = None

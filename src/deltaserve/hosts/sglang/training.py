@@ -1,7 +1,7 @@
 """The co-server's side of the host contract (:class:`~deltaserve.core.contract.TrainingHost`)
 over a :class:`~deltaserve.hosts.sglang.scheduler.CoServingScheduler`, wherever it runs: in the
 caller's process (:class:`~deltaserve.hosts.sglang.host.SGLangHost` delegates to it) or in the
-scheduler process of SGLang's own server (:mod:`deltaserve.hosts.sglang.serve`).
+scheduler process of SGLang's own server (:mod:`deltaserve.hosts.sglang.serving`).
 
 Adapters are SGLang's own: a PEFT directory loaded through the scheduler's
 ``load_lora_adapter`` (the path SGLang's ``/load_lora_adapter`` endpoint takes). The training

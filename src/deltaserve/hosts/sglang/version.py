@@ -19,8 +19,8 @@ SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.23",)
 # SGLang loads in every process of every run once DeltaServe is installed, installs the
 # co-serving hooks only then.
 ACTIVE_ENV = "DELTASERVE_SGLANG"
-# Set by `deltaserve serve --engine sglang`: names the co-serving config its scheduler process
-# starts with (deltaserve.hosts.sglang.serve_config).
+# Set by `deltaserve serve --engine sglang`: names the co-serving spec its scheduler process
+# starts with (deltaserve.hosts.sglang.serve_spec).
 SERVE_ENV = "DELTASERVE_SGLANG_SERVE"
 
 

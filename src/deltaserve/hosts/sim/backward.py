@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 from deltaserve.core.errors import require
 from deltaserve.hosts.sim.catalogue import ModelShape
-from deltaserve.hosts.sim.modelled import LoraConfig, ModelledParams, adamw_seconds
+from deltaserve.hosts.sim.modelled import AdapterShape, ModelledParams, adamw_seconds
 from deltaserve.hosts.sim.oracle import SimBatch, StepTimeOracle
 
 
@@ -67,11 +67,11 @@ class BackwardModel:
     """Prices backward jobs with any :class:`StepTimeOracle` and the modelled parameters."""
 
     def __init__(self, oracle: StepTimeOracle, shape: ModelShape,
-                 params: ModelledParams | None = None, lora: LoraConfig | None = None):
+                 params: ModelledParams | None = None, lora: AdapterShape | None = None):
         self.oracle = oracle
         self.shape = shape
         self.params = params or ModelledParams()
-        self.lora = lora or LoraConfig()
+        self.lora = lora or AdapterShape()
 
     @property
     def num_layers(self) -> int:

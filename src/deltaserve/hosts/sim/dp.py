@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.core.errors import require
 from deltaserve.hosts.sim.catalogue import ModelShape
-from deltaserve.hosts.sim.modelled import LoraConfig
+from deltaserve.hosts.sim.modelled import AdapterShape
 from deltaserve.hosts.sim.profiles import GpuProfiles
 
 # LoRA gradients are reduced in fp32 (the adapter's master precision): 2 fp16 elements each
@@ -85,7 +85,7 @@ def _never() -> bool:
 
 
 def allreduce_seconds(profiles: GpuProfiles | None, replicas: int, tp: int, shape: ModelShape,
-                      lora: LoraConfig) -> float:
+                      lora: AdapterShape) -> float:
     """One all-reduce of the adapter's gradient across ``replicas`` (each TP rank reduces its
     1/``tp`` share with its peers). From the network profile's rows for that many GPUs on one
     node; 3 replicas use the 4-GPU rows (an upper bound) and a group larger than the profiled

@@ -17,7 +17,7 @@ from deltaserve.hosts.sim.catalogue import (
 )
 from deltaserve.hosts.sim.config import MemoryBudget, SimHostConfig, memory_budget
 from deltaserve.hosts.sim.h200 import H200Oracle, load_probe
-from deltaserve.hosts.sim.modelled import LoraConfig, ModelledParams
+from deltaserve.hosts.sim.modelled import AdapterShape, ModelledParams
 from deltaserve.hosts.sim.oracle import ProfileOracle, StepTimeOracle
 from deltaserve.hosts.sim.profiles import GpuProfiles, load_profiles
 from deltaserve.model.lora import LoRAConfig
@@ -48,10 +48,10 @@ class SimHardware:
     standalone_tokens_per_s: float | None = None
 
 
-def sim_lora(lora: LoRAConfig) -> LoraConfig:
+def adapter_shape(lora: LoRAConfig) -> AdapterShape:
     """The oracle's view of the trained adapter: its rank and attention targets (the oracle
     prices LoRA on q/k/v/o projections; the MLP ones are refused there)."""
-    return LoraConfig(rank=lora.r, targets=tuple(lora.target_modules))
+    return AdapterShape(r=lora.r, target_modules=tuple(lora.target_modules))
 
 
 def gpu_hardware(config: SimHostConfig, lora: LoRAConfig, params: ModelledParams | None = None,
@@ -64,7 +64,7 @@ def gpu_hardware(config: SimHostConfig, lora: LoRAConfig, params: ModelledParams
         return probe_hardware(entry, config, lora, params)
     if profiles is None:
         profiles = load_profiles(entry, config.vidur_dir, config.network)
-    adapter = sim_lora(lora)
+    adapter = adapter_shape(lora)
     oracle = ProfileOracle(profiles, params, adapter)
     profiles.tp(config.tp)  # refuses a degree the profiles lack
     # the buffer holds one backward batch and the longest sample, which fits one step
@@ -86,7 +86,7 @@ def probe_hardware(entry: ProfileEntry, config: SimHostConfig, lora: LoRAConfig,
             f"{entry.gpu}/{entry.model} was measured at TP {entry.tp_degrees} only")
     oracle = H200Oracle(load_probe(resolve_shared(entry.compute_subdir, "h200_probe")),
                         entry.shape.num_layers)
-    adapter = sim_lora(lora)
+    adapter = adapter_shape(lora)
     memory = memory_budget(entry, config.tp, config.gpu_memory_utilization,
                            256 + config.max_num_batched_tokens, adapter.num_params(entry.shape))
     return SimHardware(

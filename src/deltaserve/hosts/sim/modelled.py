@@ -125,41 +125,47 @@ def graph_capture_size(num_decode: int, max_graph_batch: int) -> int | None:
 
 
 @dataclass(frozen=True)
-class LoraConfig:
-    """The trained adapter: rank and target projections (the paper's A100 experiment: r16 on
-    the attention projections). ``targets`` name Llama's projections."""
+class AdapterShape:
+    """The shape of the trained adapter that the cost model prices: the rank and target
+    projections of a :class:`deltaserve.model.lora.LoRAConfig` (same field names; built from
+    one by :func:`deltaserve.hosts.sim.hardware.adapter_shape`). Not that config itself: the
+    oracle modules stay torch-free (``tests/hosts/sim/test_oracle.py``) and ``model.lora``
+    imports torch; and the profiles price LoRA on the attention projections only, so an MLP
+    target is refused here. Defaults: the paper's A100 experiment, r16 on q/k/v/o."""
 
-    rank: int = 16
-    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    r: int = 16
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __post_init__(self) -> None:
-        require_positive("rank", self.rank)
-        unknown = set(self.targets) - {"q_proj", "k_proj", "v_proj", "o_proj"}
-        require(not unknown and bool(self.targets), "targets", self.targets,
-                "must be a non-empty subset of q_proj, k_proj, v_proj, o_proj")
+        require_positive("r", self.r)
+        unknown = set(self.target_modules) - {"q_proj", "k_proj", "v_proj", "o_proj"}
+        require(not unknown and bool(self.target_modules), "target_modules",
+                self.target_modules,
+                "the simulator prices a non-empty subset of q_proj, k_proj, v_proj, o_proj")
 
     def dims(self, shape: ModelShape) -> list[tuple[int, int]]:
         """(in, out) features of each targeted projection."""
         kv = shape.num_kv_heads * shape.head_dim
         table = {"q_proj": (shape.hidden, shape.hidden), "k_proj": (shape.hidden, kv),
                  "v_proj": (shape.hidden, kv), "o_proj": (shape.hidden, shape.hidden)}
-        return [table[t] for t in self.targets]
+        return [table[t] for t in self.target_modules]
 
     def num_params(self, shape: ModelShape) -> int:
         """Trainable parameters: A (r × in) and B (out × r) per target, every layer."""
-        per_layer = sum(self.rank * (d_in + d_out) for d_in, d_out in self.dims(shape))
+        per_layer = sum(self.r * (d_in + d_out) for d_in, d_out in self.dims(shape))
         return per_layer * shape.num_layers
 
     def activation_bytes_per_token(self, shape: ModelShape, tp: int) -> int:
         """HBM bytes one LoRA row moves per layer in the shrink/expand kernels: the input row read
         once per distinct input (q/k/v share theirs, o has its own) and each target's output
         shard read and written to add the update."""
-        inputs = (any(t != "o_proj" for t in self.targets)) + ("o_proj" in self.targets)
+        targets = self.target_modules
+        inputs = (any(t != "o_proj" for t in targets)) + ("o_proj" in targets)
         outputs = sum(d_out for _, d_out in self.dims(shape)) // tp
         return FP16_BYTES * (inputs * shape.hidden + 2 * outputs)
 
 
-def lora_layer_seconds(params: ModelledParams, lora: LoraConfig, shape: ModelShape, tp: int,
+def lora_layer_seconds(params: ModelledParams, lora: AdapterShape, shape: ModelShape, tp: int,
                        lora_rows: int, hbm_bytes_per_s: float) -> float:
     """LoRA forward cost of one layer: the kernels' fixed cost plus the rows' HBM traffic."""
     if lora_rows == 0:
@@ -174,7 +180,7 @@ def capture_layer_seconds(shape: ModelShape, ft_rows: int, hbm_bytes_per_s: floa
     return 2 * ft_rows * shape.hidden * FP16_BYTES / hbm_bytes_per_s
 
 
-def adamw_seconds(params: ModelledParams, lora: LoraConfig, shape: ModelShape,
+def adamw_seconds(params: ModelledParams, lora: AdapterShape, shape: ModelShape,
                   hbm_bytes_per_s: float) -> float:
     """One AdamW step over the adapter: bandwidth-bound, plus its kernel launches."""
     traffic = lora.num_params(shape) * ADAMW_BYTES_PER_PARAM

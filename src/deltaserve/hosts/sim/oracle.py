@@ -34,7 +34,7 @@ from deltaserve.core.errors import InputError, require
 from deltaserve.core.shape import ExecMode
 from deltaserve.hosts.sim.catalogue import ModelShape
 from deltaserve.hosts.sim.modelled import (
-    LoraConfig,
+    AdapterShape,
     ModelledParams,
     capture_layer_seconds,
     graph_capture_size,
@@ -163,10 +163,10 @@ class ProfileOracle:
     """:class:`StepTimeOracle` from measured GPU profiles (see the module doc)."""
 
     def __init__(self, profiles: GpuProfiles, params: ModelledParams | None = None,
-                 lora: LoraConfig | None = None):
+                 lora: AdapterShape | None = None):
         self.profiles = profiles
         self.params = params or ModelledParams()
-        self.lora = lora or LoraConfig()
+        self.lora = lora or AdapterShape()
         self.shape: ModelShape = profiles.entry.shape
 
     @property
@@ -210,8 +210,8 @@ class ProfileOracle:
     def layer_kernels(self, batch: SimBatch) -> int:
         """Kernels one eager layer of ``batch`` launches (see ``_TOKEN_KERNELS_PER_LAYER``)."""
         phases = (batch.num_decode > 0) + bool(batch.prefills or batch.ft_lens)
-        lora = 2 * (("o_proj" in self.lora.targets) + any(t != "o_proj"
-                                                         for t in self.lora.targets))
+        targets = self.lora.target_modules
+        lora = 2 * (("o_proj" in targets) + any(t != "o_proj" for t in targets))
         return (_TOKEN_KERNELS_PER_LAYER + phases + (2 if batch.tp > 1 else 0)
                 + (lora if batch.has_lora else 0) + (1 if batch.ft_lens else 0))
 

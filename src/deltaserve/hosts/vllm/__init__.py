@@ -11,7 +11,7 @@
 
 :class:`~deltaserve.hosts.vllm.host.VLLMHost` is the host (``create_host("vllm")``); it wraps
 a ``vllm.LLM`` it starts, or one started with :func:`engine_kwargs`. Serving:
-``deltaserve serve --engine vllm MODEL --finetune-dataset PATH`` (:mod:`.serve`). Supported
+``deltaserve serve --engine vllm MODEL`` (:mod:`deltaserve.entrypoints.serve_vllm`). Supported
 vLLM releases: :data:`~deltaserve.hosts.vllm.version.SUPPORTED_VERSIONS`.
 
 Importing this package does not import vLLM; its names load on first use. It does put the CPU

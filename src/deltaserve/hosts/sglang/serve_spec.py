@@ -1,9 +1,10 @@
 """What ``deltaserve serve --engine sglang`` hands the scheduler process SGLang spawns, and what
 that process reports back.
 
-The co-serving config (:class:`ServeConfig`, every field a ``--finetune-*`` flag) travels as a
-file named by ``DELTASERVE_SGLANG_SERVE`` (:data:`~deltaserve.hosts.sglang.version.SERVE_ENV`)
-in the environment SGLang's processes inherit; the plugin then runs
+The co-serving spec (:class:`ServeSpec`, every field a ``--finetune-*`` flag; the vLLM host's
+counterpart is :class:`deltaserve.hosts.vllm.remote.ServeSpec`) travels as a file named by
+``DELTASERVE_SGLANG_SERVE`` (:data:`~deltaserve.hosts.sglang.version.SERVE_ENV`) in the
+environment SGLang's processes inherit; the plugin then runs
 :class:`~deltaserve.hosts.sglang.serving.ServingScheduler`. The status (:class:`ServeStatus`)
 comes back through a JSON file the scheduler rewrites atomically: when its state changes and
 about once a second while it co-serves.
@@ -30,11 +31,11 @@ from deltaserve.train.optim import OptimizerConfig
 
 
 @dataclass(frozen=True)
-class ServeConfig:
-    """``dataset``: the fine-tuning data (Alpaca JSON/JSONL, chat JSONL or ShareGPT).
-    ``latency_model``: a fitted latency model's JSON (skips calibration). ``status_file``:
-    where the scheduler reports (default: ``status.json`` beside the checkpoints, else in the
-    temporary directory)."""
+class ServeSpec:
+    """One dataset co-served inside SGLang's own server. ``dataset``: the fine-tuning data
+    (Alpaca JSON/JSONL, chat JSONL or ShareGPT). ``latency_model``: a fitted latency model's
+    JSON (skips calibration). ``status_file``: where the scheduler reports (default:
+    ``status.json`` beside the checkpoints, else in the temporary directory)."""
 
     dataset: str | None = field(default=None, metadata={"help": "fine-tuning data (required)"})
     ttft_slo_ms: float = 2000.0
@@ -73,9 +74,9 @@ class ServeConfig:
         path.chmod(0o600)
 
     @staticmethod
-    def read(path: str | os.PathLike) -> ServeConfig:
+    def read(path: str | os.PathLike) -> ServeSpec:
         config = pickle.loads(Path(path).read_bytes())
-        assert isinstance(config, ServeConfig)
+        assert isinstance(config, ServeSpec)
         return config
 
 

@@ -1,8 +1,10 @@
 """One in-process SGLang host (SmolLM2-135M, fp32, CPU) shared by the SGLang host's engine
-tests, and one calibration of it. SGLang's parallel runtime is process-global, so the session
-builds one host and every test uses it (attaching and detaching co-servers in turn). Torch runs
-one thread: on a 2-core machine shared with other work, OpenMP threads that spin-wait on a busy
-core make every step orders of magnitude slower (these tests assert behaviour, never speed)."""
+tests and ``tests/entrypoints/test_serve_sglang.py``, and one calibration of it: a pytest plugin
+that ``tests/conftest.py`` registers once, so two test directories never build two hosts.
+SGLang's parallel runtime is process-global, so the session builds one host and every test uses
+it (attaching and detaching co-servers in turn). Torch runs one thread: on a 2-core machine
+shared with other work, OpenMP threads that spin-wait on a busy core make every step orders of
+magnitude slower (these tests assert behaviour, never speed)."""
 
 from __future__ import annotations
 

@@ -25,11 +25,11 @@ from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.native.engine import LLMEngine
 from deltaserve.model.loading import resolve_model
-from deltaserve.server.cli import run_server
 from deltaserve.server.config import ServerConfig
 from deltaserve.server.coserving_runner import CoServingRunner
 from deltaserve.server.data_dir import DataDir
 from deltaserve.server.hyperparameters import job_defaults
+from deltaserve.server.run import run_server
 from deltaserve.server.serving_stats import HostServingStats
 from deltaserve.train.config import CoServeConfig
 

@@ -2,7 +2,7 @@
 own OpenAI-compatible server with co-serving on.
 
 Every ``sglang serve`` flag is accepted (SGLang's own parser), plus the ``--finetune-*`` flags
-generated from :class:`~deltaserve.hosts.sglang.serve_config.ServeConfig`. ``--model-path`` also
+generated from :class:`~deltaserve.hosts.sglang.serve_spec.ServeSpec`. ``--model-path`` also
 takes DeltaServe's built-in names (``smollm2``). DeltaServe sets what it depends on: the normal
 (non-overlapped) scheduler loop, LoRA with room for the training adapter, arrival-order
 scheduling, and SGLang's CPU path (the only one this host was built and tested on); a flag given
@@ -36,9 +36,9 @@ from deltaserve.cli_flags import add_dataclass_flags, checked_from_args
 from deltaserve.core.data import DataConfig
 from deltaserve.core.errors import InputError
 from deltaserve.core.latency_model import LatencyModel
-from deltaserve.hosts.serve_inputs import checked_dataset, writable_checkpoint
+from deltaserve.entrypoints.serve_inputs import checked_dataset, writable_checkpoint
 from deltaserve.hosts.sglang.config import CPU_ARGS, REQUIRED_ARGS
-from deltaserve.hosts.sglang.serve_config import ServeConfig, ServeState, ServeStatus
+from deltaserve.hosts.sglang.serve_spec import ServeSpec, ServeState, ServeStatus
 from deltaserve.hosts.sglang.version import SERVE_ENV, import_sglang
 from deltaserve.model.loading import load_tokenizer, resolve_model
 
@@ -55,32 +55,32 @@ def build_parser() -> tuple[argparse.ArgumentParser, Flags]:
         description="SGLang's OpenAI-compatible server with LoRA fine-tuning co-served")
     ServerArgs.add_cli_args(parser)
     flags = add_dataclass_flags(parser.add_argument_group("DeltaServe co-serving"),
-                                ServeConfig, prefix="finetune-", dest=DEST)
+                                ServeSpec, prefix="finetune-", dest=DEST)
     return parser, flags
 
 
-def parse(argv: list[str]) -> tuple[Any, ServeConfig]:
-    """SGLang's server arguments and the co-serving config, every input checked (an
+def parse(argv: list[str]) -> tuple[Any, ServeSpec]:
+    """SGLang's server arguments and the co-serving spec, every input checked (an
     :class:`InputError` naming the flag and its value) before anything heavy loads."""
     parser, flags = build_parser()
     ns = parser.parse_args(argv)
-    config: ServeConfig = checked_from_args(ServeConfig, ns, flags, DEST)
+    spec: ServeSpec = checked_from_args(ServeSpec, ns, flags, DEST)
     check_engine_flags(ns, parser)
     try:
         ns.model_path = str(resolve_model(ns.model_path))
     except InputError as e:
         raise InputError("--model-path", ns.model_path, e.reason) from e
-    args = prepare(ServerArgs.from_cli_args(ns), config)
-    check_dataset(args, config)
-    if config.latency_model:
+    args = prepare(ServerArgs.from_cli_args(ns), spec)
+    check_dataset(args, spec)
+    if spec.latency_model:
         try:
-            LatencyModel.load(config.latency_model)
+            LatencyModel.load(spec.latency_model)
         except (InputError, OSError, ValueError, KeyError) as e:
-            raise InputError(flags[f"{DEST}latency_model"], config.latency_model,
+            raise InputError(flags[f"{DEST}latency_model"], spec.latency_model,
                              f"not a latency model: {e}") from e
-    config = replace(config, checkpoint=writable_checkpoint(
-        config.checkpoint, flags[f"{DEST}checkpoint.root"], CHECKPOINT_PARENT))
-    return args, replace(config, status_file=str(config.status_path()))
+    spec = replace(spec, checkpoint=writable_checkpoint(
+        spec.checkpoint, flags[f"{DEST}checkpoint.root"], CHECKPOINT_PARENT))
+    return args, replace(spec, status_file=str(spec.status_path()))
 
 
 def check_engine_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -93,12 +93,12 @@ def check_engine_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser) 
             raise InputError(flag, given, f"DeltaServe co-serving needs {needed!r} here")
 
 
-def prepare(args: Any, config: ServeConfig) -> Any:
+def prepare(args: Any, spec: ServeSpec) -> Any:
     """The server arguments co-serving depends on: the required ones, and a LoRA pool with
     room for the training adapter (its rank and modules) beside a client's."""
     for name, value in {**REQUIRED_ARGS, **CPU_ARGS}.items():
         setattr(args, name, value)
-    lora = config.lora
+    lora = spec.lora
     args.max_lora_rank = max(args.max_lora_rank or 0, lora.r)
     targets = set(args.lora_target_modules or ())
     if "all" not in targets:
@@ -107,10 +107,10 @@ def prepare(args: Any, config: ServeConfig) -> Any:
     return args
 
 
-def check_dataset(args: Any, config: ServeConfig) -> int:
+def check_dataset(args: Any, spec: ServeSpec) -> int:
     """Parse and tokenize every row now (an error names the line); returns the sample count.
     A sample must fit one step whole (``--chunked-prefill-size``)."""
-    path = config.dataset or ""
+    path = spec.dataset or ""
     try:
         tok = load_tokenizer(Path(args.model_path))
     except (OSError, ValueError) as e:
@@ -139,16 +139,16 @@ def stop_coserving(status_path: Path) -> ServeStatus | None:
     return status
 
 
-def run(args: Any, config: ServeConfig) -> None:
+def run(args: Any, spec: ServeSpec) -> None:
     """SGLang's server, its scheduler process co-serving; on return training is checkpointed."""
-    status_path = Path(config.status_file or "")
+    status_path = Path(spec.status_file or "")
     status_path.parent.mkdir(parents=True, exist_ok=True)
     status_path.unlink(missing_ok=True)  # a previous run's report is not this one's
     with tempfile.TemporaryDirectory(prefix="deltaserve-serve-") as tmp:
-        spec = Path(tmp) / "serve_config.pickle"
-        config.write(spec)
-        os.environ[SERVE_ENV] = str(spec)
-        print(f"deltaserve: co-serving inside SGLang; checkpoints in {config.checkpoint.root}; "
+        spec_file = Path(tmp) / "serve_spec.pickle"
+        spec.write(spec_file)
+        os.environ[SERVE_ENV] = str(spec_file)
+        print(f"deltaserve: co-serving inside SGLang; checkpoints in {spec.checkpoint.root}; "
               f"status in {status_path}", file=sys.stderr, flush=True)
         try:
             launch_server(args)
@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``deltaserve serve --engine sglang``; ``argv``: everything after it."""
     import_sglang()  # marks SGLang's processes as driven by DeltaServe (the plugin acts)
     try:
-        args, config = parse(sys.argv[1:] if argv is None else argv)
+        args, spec = parse(sys.argv[1:] if argv is None else argv)
     except InputError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2
-    run(args, config)
+    run(args, spec)
     return 0

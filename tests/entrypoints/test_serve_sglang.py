@@ -25,8 +25,8 @@ import requests
 import torch
 
 from deltaserve.core.errors import InputError
-from deltaserve.hosts.sglang.serve import parse
-from deltaserve.hosts.sglang.serve_config import ServeState, ServeStatus
+from deltaserve.entrypoints.serve_sglang import parse
+from deltaserve.hosts.sglang.serve_spec import ServeState, ServeStatus
 from deltaserve.hosts.sglang.training import TRAIN_ADAPTER
 from deltaserve.train.checkpoint_store import find_latest
 from tests.hosts.sglang.common import LORA, hf_greedy
@@ -56,7 +56,7 @@ def wait_for(predicate, timeout_s: float, proc) -> None:
 
 
 def deltaserve_serve(args: list[str], log, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see conftest: a shared 2-core machine
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests/hosts/sglang/session.py
     return subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "serve", "--engine",
                              "sglang", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                             **kw)

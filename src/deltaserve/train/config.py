@@ -10,6 +10,7 @@ from enum import StrEnum
 from deltaserve.core.admission import AdmissionConfig
 from deltaserve.core.errors import InputError, coerce_enum, require
 from deltaserve.core.latency_model import LatencyModelConfig
+from deltaserve.core.shard import DataShard
 from deltaserve.core.slo import SLOConfig
 from deltaserve.core.yield_reserve import YieldReserveConfig
 from deltaserve.model.lora import LoRAConfig
@@ -143,7 +144,11 @@ class CoServeConfig:
     """Everything a co-server needs besides the host and the data. ``interrupt``: cut a
     training-only step short at a layer boundary when a request arrives. ``num_epochs`` None:
     train until stopped. ``valid_every_steps``: with validation samples, their loss is computed
-    after every this many optimizer steps and after the last (default: at every checkpoint)."""
+    after every this many optimizer steps and after the last (default: at every checkpoint).
+    ``data_parallel``: this co-server is replica ``rank`` of ``world_size`` training one adapter
+    (its backward joins the replicas' group, its pool trains its :class:`DataShard` of every
+    epoch); the default, one replica, changes nothing. It has no CLI flag of its own: a bench or
+    launcher that forms replicas sets it per replica."""
 
     slo: SLOConfig
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -156,9 +161,13 @@ class CoServeConfig:
     num_epochs: int | None = 1
     seed: int = 0
     valid_every_steps: int | None = None
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig,
+                                              metadata={"cli": False})
 
     def __post_init__(self) -> None:
         require(isinstance(self.slo, SLOConfig), "slo", self.slo, "must be an SLOConfig")
+        require(isinstance(self.data_parallel, DataParallelConfig), "data_parallel",
+                self.data_parallel, "must be a DataParallelConfig")
         require(self.num_epochs is None or self.num_epochs >= 1, "num_epochs", self.num_epochs,
                 "must be >= 1")
         require(self.valid_every_steps is None or self.valid_every_steps >= 1,
@@ -167,3 +176,10 @@ class CoServeConfig:
     @property
     def validation_interval(self) -> int:
         return self.valid_every_steps or self.checkpoint.every_steps
+
+    @property
+    def data_shard(self) -> DataShard | None:
+        """This replica's share of every epoch (``None``: one replica trains every sample). The
+        shard's order is seeded by :attr:`seed`, which every replica must share."""
+        dp = self.data_parallel
+        return DataShard(dp.rank, dp.world_size, self.seed) if dp.distributed else None

@@ -60,7 +60,8 @@ class CoServer:
         b = config.backward
         self.book = SampleBook(samples, num_epochs=config.num_epochs, seed=config.seed,
                                buffer_tokens=buffer_capacity(b.buffer_tokens, b.batch_tokens,
-                                                             limits, samples), pool=pool)
+                                                             limits, samples), pool=pool,
+                               shard=config.data_shard)
         self.trainer: CoTrainer = trainer(config, self.book)
         self.config = self.trainer.config  # the grant policy resolved for the device
         self.latency = latency_model or LatencyModel(config.latency)

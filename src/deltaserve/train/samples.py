@@ -19,22 +19,27 @@ from deltaserve.core.contract import TrainingRows
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
 from deltaserve.core.pool import PoolProgress, SamplePool
+from deltaserve.core.shard import DataShard
 from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.checkpoint_store import dataset_fingerprint
 
 
 class SampleBook:
     def __init__(self, samples: Sequence[TrainingSample], *, num_epochs: int | None, seed: int,
-                 buffer_tokens: int, pool: SamplePool | None = None):
-        """``pool``: one shared with other books (data-parallel replicas, each with its own
-        buffer); it must hold these samples. By default the book makes its own."""
+                 buffer_tokens: int, pool: SamplePool | None = None,
+                 shard: DataShard | None = None):
+        """``pool``: one shared with other books (replicas of one process, each with its own
+        buffer); it must hold these samples. By default the book makes its own. ``shard``: a
+        data-parallel replica's share of every epoch (a given pool must hold the same one)."""
         self.samples = list(samples)
         self.seed = seed
         if pool is None:
             pool = SamplePool([s.num_tokens for s in self.samples], num_epochs=num_epochs,
-                              seed=seed)
+                              seed=seed, shard=shard)
         require(pool.num_samples == len(self.samples), "pool", pool.num_samples,
                 f"a shared pool must hold this dataset's {len(self.samples)} samples")
+        require(pool.shard == shard, "pool", pool.shard,
+                f"a given pool must train this replica's data-parallel shard {shard}")
         self.pool = pool
         self.ledger = BufferLedger(buffer_tokens)
         self.fingerprint = dataset_fingerprint(self.samples)

@@ -75,7 +75,8 @@ class Trainer(GrantDelegation):
             self.adapter.share_memory_()
         self.optimizer_state.share_memory_()
         guard = PublishGuard(self.adapter.flat, self.adapter.numel).share_memory_()
-        self.backward = BackwardDriver(b, WorkerSpec(config.lora, config.optimizer, b.threads),
+        self.backward = BackwardDriver(b, WorkerSpec(config.lora, config.optimizer, b.threads,
+                                                     config.data_parallel),
                                        SharedState(model.config, model.weights, self.adapter.flat,
                                                    self.optimizer_state, self.buffer, guard))
         self.counts: Counter[str] = Counter()

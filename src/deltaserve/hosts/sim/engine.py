@@ -120,6 +120,12 @@ class SimEngine(BaseHost):
         raise InputError("host", "sim", "a simulated host has no weights: its co-server trains a "
                          "timed stand-in (SimTraining)")
 
+    def check_coserve_config(self, config: CoServeConfig) -> None:
+        """The simulated host's replicas are a fleet (:mod:`deltaserve.hosts.sim.fleet`), which
+        prices their all-reduce itself: a real group's config has no meaning here."""
+        require(not config.data_parallel.distributed, "data_parallel", config.data_parallel,
+                "a simulated host trains no real group: simulate replicas with a fleet")
+
     def training_dropout(self, lora: LoRAConfig) -> float:
         return lora.dropout
 

@@ -10,7 +10,10 @@ from dataclasses import asdict, dataclass, field
 @dataclass(frozen=True)
 class OptimizerStep:
     """Step ``step`` reached the adapter; its samples are committed. ``at_s``:
-    ``time.monotonic()`` when the co-server saw it; ``epoch``: the epoch its samples belong to."""
+    ``time.monotonic()`` when the co-server saw it; ``epoch``: the epoch its samples belong to.
+    Data parallel: the loss and token counts are this replica's share of the global step (none,
+    for an empty share), ``allreduce_s`` the step's gradient all-reduce, waiting on the slowest
+    peer included (0 for one replica)."""
 
     at_s: float
     step: int
@@ -25,6 +28,7 @@ class OptimizerStep:
     wall_s: float
     paused_s: float
     validating: bool = False  # a ValidationLoss of this step follows
+    allreduce_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,12 @@ the pool. With validation samples, the adapter's held-out loss is computed in th
 process after every ``validation_interval`` steps and after the last, before the next step is
 submitted (a :class:`ValidationLoss` follows each :class:`OptimizerStep` that says
 ``validating``).
+
+Data parallel (``config.data_parallel`` of more than one replica): every step is a global step
+of the replicas' group, and which steps this replica submits follows
+:mod:`deltaserve.train.group_steps` (an empty share when it has nothing to train and a peer
+steps; the next epoch's samples held back until every replica's share of the epoch is
+trained; at close, empty shares until every replica has closed).
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ from deltaserve.core.errors import require
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.train.backward.driver import BackwardDriver, BackwardOutcome, resolve_policy
-from deltaserve.train.backward.messages import BackwardDone, BackwardJob, EvalDone, EvalJob
+from deltaserve.train.backward.messages import (
+    BackwardDone,
+    BackwardJob,
+    EvalDone,
+    EvalJob,
+    JobSample,
+)
 from deltaserve.train.backward.worker import SharedState, WorkerSpec
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
 from deltaserve.train.checkpoint_policy import Checkpointer
@@ -42,6 +54,7 @@ from deltaserve.train.events import (
     TrainingStopped,
     ValidationLoss,
 )
+from deltaserve.train.group_steps import GroupSteps, Share, Votes
 from deltaserve.train.lost_steps import LostSteps, TrainingFailed
 from deltaserve.train.optim import OptimizerState
 from deltaserve.train.publish import PublishGuard
@@ -75,8 +88,12 @@ class Trainer(GrantDelegation):
             self.adapter.share_memory_()
         self.optimizer_state.share_memory_()
         guard = PublishGuard(self.adapter.flat, self.adapter.numel).share_memory_()
+        dp = config.data_parallel
+        self.group = GroupSteps(dp.world_size) if dp.distributed else None
+        self._closing = False  # close() began: this replica submits no new real work
+        self._votes: dict[int, Votes] = {}  # the in-flight step's votes, by step
         self.backward = BackwardDriver(b, WorkerSpec(config.lora, config.optimizer, b.threads,
-                                                     config.data_parallel),
+                                                     dp),
                                        SharedState(model.config, model.weights, self.adapter.flat,
                                                    self.optimizer_state, self.buffer, guard))
         self.counts: Counter[str] = Counter()
@@ -95,7 +112,17 @@ class Trainer(GrantDelegation):
         (none once training gave up: nothing more will be trained)."""
         if self.failure is not None:
             return self.backward.busy
-        return self.book.has_ready or self.backward.busy or self._validation_due is not None
+        if self.backward.busy or self._validation_due is not None:
+            return True
+        if self.group is None:
+            return self.book.has_ready
+        # a finished group trains nothing more: what is still ready goes back at close
+        return self.group.share(self.book.has_ready, self._leaving) is not Share.NONE
+
+    @property
+    def _leaving(self) -> bool:
+        """Data parallel: this replica will submit no more real steps (closing, or finished)."""
+        return self._closing or self.book.progress().finished
 
     @property
     def steps_lost(self) -> dict[str, int]:
@@ -123,11 +150,28 @@ class Trainer(GrantDelegation):
         if self._validation_due is not None:  # before the next step changes the adapter
             self.backward.submit(EvalJob(self._validation_due, *self._validation))
             return
-        if not self.book.has_ready or self.checkpointer.blocked:
+        if self.checkpointer.blocked:
             return
+        if self.group is None:
+            if not self.book.has_ready:
+                return
+        else:
+            share = self.group.share(self.book.has_ready, self._leaving)
+            if share is Share.EMPTY:
+                self._submit(())  # this replica's empty share of a step its peers take
+            if share is not Share.REAL:
+                return
         batch = self.config.backward.batch_tokens
         if force or self.book.ready_tokens >= batch or not self.book.can_admit():
-            self.backward.submit(BackwardJob(self.optimizer_steps, self.book.take_batch(batch)))
+            self._submit(self.book.take_batch(batch))
+
+    def _submit(self, samples: tuple[JobSample, ...]) -> None:
+        job = BackwardJob(self.optimizer_steps, samples)
+        if self.group is not None:
+            votes = self.group.votes(self.book.progress(), len(samples), self._closing)
+            self._votes = {job.step: votes}
+            job = replace(job, epoch_open=votes.epoch_open, staying=votes.staying)
+        self.backward.submit(job)
 
     def _handle(self, outcome: BackwardOutcome) -> None:
         if isinstance(outcome, BackwardDone):
@@ -164,10 +208,17 @@ class Trainer(GrantDelegation):
         self._emit(TrainingStopped(time.monotonic(), failure.reason, failure.lost_steps))
 
     def _commit(self, ev: BackwardDone) -> None:
-        epoch = self.book.commit(ev.sample_ids)
+        votes = self._votes.pop(ev.step, None)
+        if self.group is not None and votes is not None:
+            self.group.observe(votes, ev.group_epoch_open, ev.group_staying)
         self.lost.committed()
+        if not ev.stepped:  # every replica's share was empty: no optimizer step anywhere
+            return
+        # an empty share commits nothing (a finished pool must not see a commit at all)
+        epoch = self.book.commit(ev.sample_ids) if ev.sample_ids else self.book.pool.epoch
         self.optimizer_steps = ev.step + 1
-        self.last_loss = ev.loss
+        if ev.num_loss_tokens:
+            self.last_loss = ev.loss
         if self._publish is not None:
             self._publish(self.adapter)
         finished = self.book.progress().finished
@@ -177,7 +228,8 @@ class Trainer(GrantDelegation):
             self._validation_due = ev.step
         self._emit(OptimizerStep(time.monotonic(), ev.step, epoch, ev.sample_ids, ev.num_tokens,
                                  ev.num_loss_tokens, ev.loss, ev.mean_token_accuracy,
-                                 ev.grad_norm, ev.lr, ev.wall_s, ev.paused_s, validating))
+                                 ev.grad_norm, ev.lr, ev.wall_s, ev.paused_s, validating,
+                                 ev.allreduce_s))
         if self.checkpointer.due(self.optimizer_steps, finished):
             self.save_checkpoint()
 
@@ -255,16 +307,37 @@ class Trainer(GrantDelegation):
         if self.failure is not None:
             raise self.failure
 
+    def _leave_group(self, deadline: float) -> None:
+        """Closing without drain: the captured samples go back untrained, and the replica
+        takes part in its peers' steps with empty shares until the group is done."""
+        if self.group is None:
+            return
+        self.book.release_ready()
+        while self.failure is None and self.group.share(False, leaving=True) is Share.EMPTY:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError(f"close: the data-parallel group did not finish in time "
+                                   f"(step {self.optimizer_steps})")
+            if not self.backward.busy:
+                self._submit(())
+            for outcome in self.backward.wait(left_s):
+                self._handle(outcome)
+
     def close(self, *, drain: bool, checkpoint: bool, timeout_s: float) -> None:
         """Finish (or return) captured samples, stop the process, resolve the job it had in
         flight (committed, or rolled back and released), then checkpoint: adapter, optimizer and
-        trainer state always agree. A drain failure is raised after all of this."""
+        trainer state always agree. A drain failure is raised after all of this. Data parallel:
+        before it stops, the replica sends empty shares until every replica has closed (its
+        peers' steps need it), within ``timeout_s``."""
+        self._closing = True
+        deadline = time.monotonic() + timeout_s
         try:
             if drain:
                 self.drain(timeout_s)
             else:
                 for outcome in self.backward.wait(timeout_s):
                     self._handle(outcome)
+                self._leave_group(deadline)
         finally:
             for outcome in self.backward.stop(timeout_s=min(30.0, timeout_s)):
                 self._handle(outcome)

@@ -300,3 +300,46 @@ def test_a_replica_waiting_for_a_slow_peer_counts_as_parked(model):
             p.stop(timeout_s=5.0)
     assert [len(d) for d in done] == [1, 1] and done[1][0].allreduce_s >= 0.5
     assert torch.equal(reps[0].adapter.flat, reps[1].adapter.flat)
+
+
+def test_a_step_of_empty_shares_takes_no_step_and_one_empty_share_takes_the_peers(model):
+    """Step 0: both shares empty (both replicas out of samples): no optimizer step anywhere,
+    nothing published. Step 1: rank 0's share is empty, rank 1's the whole batch: both take
+    the step one replica takes on that batch. The votes come back summed."""
+    steps = batches(num_steps=1)
+    _, want_done = reference(model, steps)
+    reps, procs = start_replicas(model)
+    before = reps[0].adapter.flat.clone()
+    try:
+        for p in procs:
+            p.wait_ready()
+        for p, votes in zip(procs, ((False, True), (False, False)), strict=True):
+            p.submit(BackwardJob(0, (), *votes))
+        empty = [next(ev for ev in p.wait(120.0) if isinstance(ev, BackwardDone)) for p in procs]
+        shares = ((), capture(model, reps[1].adapter, rebased(steps[0]), reps[1].buffer))
+        for p, share in zip(procs, shares, strict=True):
+            p.submit(BackwardJob(0, share, epoch_open=bool(share), staying=True))
+        done = [next(ev for ev in p.wait(120.0) if isinstance(ev, BackwardDone)) for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+    for d in empty:
+        assert not d.stepped and (d.group_epoch_open, d.group_staying) == (0, 1)
+    for d in done:
+        assert d.stepped and (d.group_epoch_open, d.group_staying) == (1, 2)
+        assert d.grad_norm == pytest.approx(want_done[0].grad_norm, rel=1e-5)
+    assert done[0].sample_ids == () and done[0].num_loss_tokens == 0
+    assert done[1].num_loss_tokens == want_done[0].num_loss_tokens
+    assert torch.equal(reps[0].adapter.flat, reps[1].adapter.flat)
+    assert not torch.equal(reps[0].adapter.flat, before)
+    assert reps[0].optimizer.num_steps == reps[1].optimizer.num_steps == 1
+
+
+def test_an_empty_job_without_a_group_is_an_error(model):
+    rep = Replica(model)
+    trainable = AdapterWeights(model.config, LORA, rep.adapter.flat.detach().clone())
+    trainable.make_trainable_()
+    opt = build_adamw(trainable.flat, OPTIMIZER, rep.optimizer)
+    with pytest.raises(ValueError, match="empty backward job"):
+        run_job(model, trainable, opt, WorkerSpec(LORA, OPTIMIZER), rep.shared,
+                BackwardJob(0, ()))

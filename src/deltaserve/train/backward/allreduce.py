@@ -16,6 +16,12 @@ adapter and optimizer state, which :meth:`GradientAllReduce.check_same_start` ve
 group forms (and fails start-up otherwise: silently overwriting a replica's adapter would change
 what its engine serves).
 
+A replica with nothing to train in a step contributes an empty share (``n_r = 0``, a zero
+gradient): the others' gradient is then the step's. Each share also carries the replica's votes
+on whether the group steps on (:mod:`deltaserve.train.group_steps`), summed in the same
+collective. A step in which no replica had a loss token (``N = 0``) takes no optimizer step on
+any replica.
+
 The group uses the standard env rendezvous (``MASTER_ADDR``/``MASTER_PORT``, rank and world size
 given explicitly), so torchrun-launched replicas and several machines work the same way.
 """
@@ -36,10 +42,13 @@ from deltaserve.train.optim import OptimizerState
 
 @dataclass(frozen=True)
 class ReducedGradient:
-    """The step's gradient now in ``flat.grad`` is that of the global batch's mean loss."""
+    """The step's gradient now in ``flat.grad`` is that of the global batch's mean loss (zero,
+    and no step to take, when ``num_loss_tokens`` is 0)."""
 
     num_loss_tokens: int  # over every replica's share of the batch
     seconds: float  # spent in the all-reduce, waiting for the slowest peer included
+    epoch_open: int = 0  # replicas that voted to have samples of the epoch left
+    staying: int = 0  # replicas that voted to submit another real step
 
 
 def backend_for(config: DataParallelConfig, device: torch.device) -> str:
@@ -76,18 +85,24 @@ class GradientAllReduce:
                 f"state than rank 0 ({int((mine != theirs).sum())} of {mine.numel()} values "
                 f"differ): every replica must start from the same seed or checkpoint")
 
-    def reduce_(self, grad: torch.Tensor, num_loss_tokens: int) -> ReducedGradient:
-        """Replace ``grad`` (of this replica's mean loss over ``num_loss_tokens`` tokens) with
-        the gradient of the global batch's mean loss, in one collective."""
+    def reduce_(self, grad: torch.Tensor, num_loss_tokens: int, epoch_open: bool = True,
+                staying: bool = True) -> ReducedGradient:
+        """Replace ``grad`` (of this replica's mean loss over ``num_loss_tokens`` tokens; zero
+        for an empty share) with the gradient of the global batch's mean loss, in one
+        collective that also sums the replicas' votes."""
         t0 = time.perf_counter()
-        # the count rides in the gradient's own buffer (fp32, exact below 2**24 tokens a step)
-        packed = torch.cat([grad.reshape(-1) * num_loss_tokens,
-                            torch.tensor([float(num_loss_tokens)], device=grad.device,
-                                         dtype=grad.dtype)])
+        # the count and the votes ride in the gradient's own buffer (fp32: exact integers
+        # below 2**24 tokens a step)
+        tail = torch.tensor([float(num_loss_tokens), float(epoch_open), float(staying)],
+                            device=grad.device, dtype=grad.dtype)
+        packed = torch.cat([grad.reshape(-1) * num_loss_tokens, tail])
         dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-        total = round(float(packed[-1]))
-        grad.copy_(packed[:-1].reshape(grad.shape).div_(total))
-        return ReducedGradient(total, time.perf_counter() - t0)
+        total, opened, stay = (round(float(v)) for v in packed[-3:])
+        if total > 0:
+            grad.copy_(packed[:-3].reshape(grad.shape).div_(total))
+        else:  # every share was empty: nothing to learn, no step anywhere
+            grad.zero_()
+        return ReducedGradient(total, time.perf_counter() - t0, opened, stay)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -22,10 +22,15 @@ class JobSample:
 
 @dataclass(frozen=True)
 class BackwardJob:
-    """One optimizer step over ``samples`` (loss: mean over their response tokens)."""
+    """One optimizer step over ``samples`` (loss: mean over their response tokens). Data
+    parallel: ``samples`` may be empty (this replica's empty share of a global step), and
+    ``epoch_open`` / ``staying`` are its votes (:mod:`deltaserve.train.group_steps`); one
+    replica ignores them."""
 
     step: int
     samples: tuple[JobSample, ...]
+    epoch_open: bool = True
+    staying: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +52,11 @@ class BackwardDone:
     paused_s: float  # time spent waiting on the grant flag
     num_correct: int = 0  # loss tokens whose argmax prediction was the target
     allreduce_s: float = 0.0  # data-parallel: the gradient all-reduce, waiting on peers included
+    # data parallel: the group's vote totals of this step (group_steps), and whether any
+    # replica had a loss token (False: no optimizer step was taken, nothing was published)
+    group_epoch_open: int = 0
+    group_staying: int = 0
+    stepped: bool = True
 
     @property
     def mean_token_accuracy(self) -> float:

@@ -25,7 +25,7 @@ import torch
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
-from deltaserve.train.backward.allreduce import GradientAllReduce, join_group
+from deltaserve.train.backward.allreduce import GradientAllReduce, ReducedGradient, join_group
 from deltaserve.train.backward.evaluate import validation_loss
 from deltaserve.train.backward.grant import Grant
 from deltaserve.train.backward.messages import (
@@ -38,7 +38,7 @@ from deltaserve.train.backward.messages import (
     Stop,
     WorkerReady,
 )
-from deltaserve.train.backward.recompute import GrantWait, layerwise_backward
+from deltaserve.train.backward.recompute import BackwardStats, GrantWait, layerwise_backward
 from deltaserve.train.buffer import ActivationBuffer
 from deltaserve.train.config import DataParallelConfig
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw
@@ -70,8 +70,8 @@ class SharedState:
 
 LayerCallback = Callable[[int], None]
 # Data parallel: replaces the gradient (of this replica's mean loss over the given number of
-# loss tokens) with the global batch's, in place; returns the seconds it took.
-GradientReduce = Callable[[torch.Tensor, int], float]
+# loss tokens) with the global batch's, in place, summing the job's votes with the peers'.
+GradientReduce = Callable[[torch.Tensor, int, BackwardJob], ReducedGradient]
 
 
 def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optimizer,
@@ -81,14 +81,26 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
     """One optimizer step; publishes the adapter and optimizer state when it succeeds. With a
     data-parallel ``allreduce``, the step is the global batch's: the gradient is all-reduced before
     clipping, so the clip, the reported ``grad_norm`` and the AdamW step are the same on every
-    replica (the loss and token counts reported stay this replica's)."""
+    replica (the loss and token counts reported stay this replica's). A data-parallel job
+    without samples is this replica's empty share: it computes nothing and takes the peers'
+    step (none, and publishes nothing, when every share of the step was empty)."""
     t0 = time.perf_counter()
-    stats = layerwise_backward(model, trainable, shared.buffer, job.samples, spec.lora.dropout,
-                               wait_grant, on_layer)
-    trainable.gather_grad_()
-    allreduce_s = 0.0
+    if job.samples:
+        stats = layerwise_backward(model, trainable, shared.buffer, job.samples,
+                                   spec.lora.dropout, wait_grant, on_layer)
+    elif allreduce is None:
+        raise ValueError("an empty backward job: only a data-parallel replica contributes one")
+    else:
+        stats = BackwardStats(0.0, 0, 0.0)
+    trainable.gather_grad_()  # zero where no layer ran
+    reduced = ReducedGradient(stats.num_loss_tokens, 0.0)
     if allreduce is not None:
-        allreduce_s = allreduce(trainable.flat.grad, stats.num_loss_tokens)
+        reduced = allreduce(trainable.flat.grad, stats.num_loss_tokens, job)
+        if reduced.num_loss_tokens == 0:  # every replica's share was empty
+            opt.zero_grad(set_to_none=True)
+            return BackwardDone(job.step, (), 0, 0, 0.0, 0.0, spec.optimizer.lr_at(job.step),
+                                time.perf_counter() - t0, stats.paused_s, 0, reduced.seconds,
+                                reduced.epoch_open, reduced.staying, stepped=False)
     max_norm = spec.optimizer.max_grad_norm
     if max_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_([trainable.flat], max_norm))
@@ -103,7 +115,7 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
     return BackwardDone(job.step, tuple(s.sample_id for s in job.samples), job.num_tokens,
                         stats.num_loss_tokens, stats.loss, grad_norm, lr,
                         time.perf_counter() - t0, stats.paused_s, stats.num_correct,
-                        allreduce_s)
+                        reduced.seconds, reduced.epoch_open, reduced.staying)
 
 
 class _Worker:
@@ -147,7 +159,8 @@ class _Worker:
         self.layer_t0 += waited  # a layer's compute time leaves the wait out
         return waited
 
-    def allreduce(self, grad: torch.Tensor, num_loss_tokens: int) -> float:
+    def allreduce(self, grad: torch.Tensor, num_loss_tokens: int,
+                  job: BackwardJob) -> ReducedGradient:
         """The step's all-reduce. Waiting there for the slowest peer computes nothing, so the
         process counts as parked (a host step need not wait for it); afterwards it waits for
         the grant like before a layer, so the optimizer step never runs beside a host step
@@ -155,11 +168,11 @@ class _Worker:
         assert self.group is not None
         self.parked.value = 1
         try:
-            seconds = self.group.reduce_(grad, num_loss_tokens).seconds
+            reduced = self.group.reduce_(grad, num_loss_tokens, job.epoch_open, job.staying)
         finally:
             self.parked.value = 0
         self.wait_grant(-1)
-        return seconds
+        return reduced
 
     def on_layer(self, layer: int) -> None:
         now = time.perf_counter()

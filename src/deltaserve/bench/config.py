@@ -45,7 +45,12 @@ class BenchConfig:
     plus this, the same for every system (a replay runs, and trains, until the window closes;
     a system whose requests drain later is still scored on all of them). ``repeats``: every
     system runs this many times, in interleaved order (the pilot once first, then round-robin
-    over the systems per repeat); the report gives each metric's median and range."""
+    over the systems per repeat); the report gives each metric's median and range.
+
+    ``replicas``: every system runs as this many data-parallel replicas of the host (the
+    native host only), each on ``threads // replicas`` threads with its own engine and
+    co-server, their requests split round-robin and their backward processes one
+    ``torch.distributed`` group training one adapter (:mod:`deltaserve.bench.replicas`)."""
 
     trace: str = "burst-light"
     systems: str = DEFAULT_SYSTEMS
@@ -59,6 +64,7 @@ class BenchConfig:
     out: str = "runs/bench"
     seed: int = 0
     host: str = "native"
+    replicas: int = 1
     # the engine's seed is the bench's --seed
     engine: HostConfig = field(default_factory=HostConfig,
                                metadata={"prefix": "", "skip": ("seed",)})
@@ -98,6 +104,11 @@ class BenchConfig:
         _check_placeholders("out", self.out, date="", host="", trace="")
         _check_placeholders("calibration_file", self.calibration_file or "", threads=1)
         require(self.host in HOSTS, "host", self.host, f"choose from {', '.join(HOSTS)}")
+        require(isinstance(self.replicas, int) and self.replicas >= 1, "replicas",
+                self.replicas, "must be an integer >= 1")
+        require(self.replicas == 1 or self.host == "native", "replicas", self.replicas,
+                f"replicas run on the native host only (not --host {self.host}; the simulated "
+                "host has its own: bench --host sim --replicas)")
         check_host_device(self.host, self.engine)
         require(self.duration_s is None or self.duration_s > 0, "duration", self.duration_s,
                 "must be > 0")

@@ -37,10 +37,24 @@ class HardwareShare:
     reserved: int
 
 
+@dataclass(frozen=True)
+class ReplicaRun:
+    """One data-parallel replica's share of a run: its requests and steps (``result``), its
+    commits, and the seconds each of its optimizer steps spent in the gradient all-reduce
+    (waiting for the slowest peer included)."""
+
+    rank: int
+    result: ReplayResult
+    commits: list[Commit]
+    allreduce_s: list[float]
+
+
 @dataclass
 class SystemRun:
     """``slo_scale``: the SLO scale it ran under (None for a system that ignores the SLO).
-    ``latency``: the latency model's error per execution mode, online and held out."""
+    ``latency``: the latency model's error per execution mode, online and held out.
+    ``replicas``: with ``--replicas`` N > 1, each replica's share; ``result`` and ``commits``
+    are then the fleet's (every replica's requests, steps and commits together)."""
 
     spec: SystemSpec
     result: ReplayResult
@@ -50,6 +64,7 @@ class SystemRun:
     slo_scale: float | None = None
     adapter_dir: str | None = None
     train_log: str | None = None
+    replicas: tuple[ReplicaRun, ...] = ()
 
     def window_commits(self, window_s: float | None = None) -> list[Commit]:
         """The commits that landed in the window of ``window_s`` seconds from the replay's

@@ -76,8 +76,11 @@ class FittedTrace:
     capacity_rps: float | None
 
 
-def build_trace(cfg: BenchConfig, lm: LatencyModel, limits: HostLimits) -> FittedTrace:
-    """The trace, its lengths fitted to the model and its rate to the host's capacity."""
+def build_trace(cfg: BenchConfig, lm: LatencyModel, limits: HostLimits,
+                replicas: int = 1) -> FittedTrace:
+    """The trace, its lengths fitted to the model and its rate to the host's capacity
+    (``replicas``: ``lm``'s host is one of that many replicas sharing the trace evenly, whose
+    capacity is that many times one's)."""
     raw = load_trace(cfg.trace, seed=cfg.seed, duration_s=cfg.duration_s)
     if cfg.duration_s and raw.duration_s > cfg.duration_s:
         raw = raw.window(0, cfg.duration_s)
@@ -88,6 +91,9 @@ def build_trace(cfg: BenchConfig, lm: LatencyModel, limits: HostLimits) -> Fitte
     else:
         trace, factor, capacity = auto_scale(sized, lm, limits, peak_fraction=cfg.peak_fraction,
                                              seed=cfg.seed)
+        if replicas > 1:
+            factor, capacity = factor * replicas, capacity * replicas
+            trace = sized.scale_rate(factor, cfg.seed)
     log(cfg, f"trace {trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, "
              f"peak {trace.peak_rate():.2f} req/s (rate x{factor:.4f}"
              + (f", capacity {capacity:.2f} req/s)" if capacity else ")"))

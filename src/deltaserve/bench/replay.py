@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from tqdm import tqdm
 
 from deltaserve.core.contract import StepRecord
@@ -112,10 +113,58 @@ def replay(host: BaseHost, trace: Trace, prompts: PromptSource, *, label: str = 
     workers belong to the thread that first ran a parallel region, and a second thread running
     the model would compete with their spin-waits (steps measured 1.7x slower on 2 cores).
     """
+    return replay_fleet([host], trace, prompts, label=label, drain_timeout_s=drain_timeout_s,
+                        min_wall_s=min_wall_s, progress=progress)[0]
+
+
+ROUTER = "round-robin"  # how replay_fleet routes requests (results.json names it)
+
+
+def round_robin(index: int, num_hosts: int) -> int:
+    """The router: request ``index`` of the trace goes to host ``index mod num_hosts`` (equal
+    shares of every stretch of the trace, whatever its lengths)."""
+    return index % num_hosts
+
+
+def _unfinished(hosts: Sequence[BaseHost]) -> bool:
+    return any(h.has_unfinished() for h in hosts)
+
+
+def _loop(host: BaseHost, stop: threading.Event, threads: int) -> None:
+    """A replica's loop on a thread of its own. OpenMP keeps its thread count per thread (a
+    new one starts from the default, every core), so the caller's is applied here first."""
+    torch.set_num_threads(threads)
+    host.run_loop(stop)
+
+
+def _send(hosts: Sequence[BaseHost], records: list[RequestRecord], trace: Trace,
+          prompts: PromptSource, start: float, bar: tqdm) -> None:
+    """Send every request at its scheduled time to the host the router names."""
+    for rec, req in zip(records, trace.requests, strict=True):
+        rec.scheduled_s = start + req.arrival_s
+        delay = rec.scheduled_s - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        host = hosts[round_robin(rec.index, len(hosts))]
+        host.add_request(prompts.prompt(rec.index, rec.prompt_tokens),
+                         SamplingParams(max_tokens=rec.output_tokens, ignore_eos=True),
+                         callback=rec.on_token)
+        bar.update(1)
+
+
+def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource, *,
+                 label: str = "replay", drain_timeout_s: float = 300.0, min_wall_s: float = 0.0,
+                 progress: bool = True) -> list[ReplayResult]:
+    """:func:`replay` against replicas: one client sends the trace, each request to the host
+    :func:`round_robin` names, and every host's loop runs until the window closes (the first
+    in the calling thread, the others each in a thread of its own: a replica of one thread has
+    no OpenMP pool to keep). One result per host, with its own requests and steps and the
+    fleet's common start and end."""
     records = [RequestRecord(i, 0.0, r.prompt_tokens, r.output_tokens)
                for i, r in enumerate(trace.requests)]
-    steps: list[StepRecord] = []
-    host.subscribe_steps(steps.append)
+    steps: list[list[StepRecord]] = [[] for _ in hosts]
+    for host, host_steps in zip(hosts, steps, strict=True):
+        host.subscribe_steps(host_steps.append)
     stop = threading.Event()
     bar = tqdm(total=len(records), desc=label, unit="req", disable=not progress,
                dynamic_ncols=True)
@@ -124,19 +173,11 @@ def replay(host: BaseHost, trace: Trace, prompts: PromptSource, *, label: str = 
 
     def client() -> None:
         try:
-            for rec, req in zip(records, trace.requests, strict=True):
-                rec.scheduled_s = start + req.arrival_s
-                delay = rec.scheduled_s - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                host.add_request(prompts.prompt(rec.index, rec.prompt_tokens),
-                                 SamplingParams(max_tokens=rec.output_tokens, ignore_eos=True),
-                                 callback=rec.on_token)
-                bar.update(1)
+            _send(hosts, records, trace, prompts, start, bar)
             deadline = time.monotonic() + drain_timeout_s
-            while host.has_unfinished() and time.monotonic() < deadline:
+            while _unfinished(hosts) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            outcome["timed_out"] = host.has_unfinished()
+            outcome["timed_out"] = _unfinished(hosts)
             while time.monotonic() < start + min_wall_s:
                 time.sleep(0.02)
         finally:
@@ -144,13 +185,25 @@ def replay(host: BaseHost, trace: Trace, prompts: PromptSource, *, label: str = 
             stop.set()
 
     sender = threading.Thread(target=client, name="replay-client", daemon=True)
+    threads = torch.get_num_threads()  # the calling thread's: what the hosts were built with
+    loops = [threading.Thread(target=_loop, args=(h, stop, threads), name=f"replica-{r}",
+                              daemon=True)
+             for r, h in enumerate(hosts) if r > 0]
     sender.start()
+    for t in loops:
+        t.start()
     try:
-        host.run_loop(stop)
+        hosts[0].run_loop(stop)
     finally:
         stop.set()
         sender.join()
+        for t in loops:
+            t.join()
         bar.close()
-        host.unsubscribe_steps(steps.append)
-    return ReplayResult(records, start, float(outcome["end"]), trace.duration_s, steps,
-                        bool(outcome.get("timed_out", True)))
+        for host, host_steps in zip(hosts, steps, strict=True):
+            host.unsubscribe_steps(host_steps.append)
+    n = len(hosts)
+    return [ReplayResult([rec for rec in records if round_robin(rec.index, n) == r], start,
+                         float(outcome["end"]), trace.duration_s, steps[r],
+                         bool(outcome.get("timed_out", True)))
+            for r in range(n)]

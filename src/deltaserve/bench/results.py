@@ -11,8 +11,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.fleet_score import FleetScore
 from deltaserve.bench.prepare import FittedTrace
 from deltaserve.bench.provenance import Provenance
+from deltaserve.bench.replay import ROUTER
 from deltaserve.bench.score import (
     Binding,
     Comparison,
@@ -86,7 +88,9 @@ class BenchResults:
     """``main``: the systems at ``slo`` (``--slo-scale``), in report order; ``sweep``: every
     scale of ``--slo-sweep`` (empty without one). ``window_s``: the window every system's
     fine-tuning is counted in (``harvest.window_s``); ``provenance``: where the run came from
-    (``COMMAND`` beside ``results.json`` is generated from it)."""
+    (``COMMAND`` beside ``results.json`` is generated from it). ``replicas``: with
+    ``--replicas`` N > 1, each system's replicas at the main scale (``results.json``'s
+    ``replicas``; absent for one replica)."""
 
     trace: FittedTrace
     slo: SLOChoice
@@ -103,8 +107,19 @@ class BenchResults:
     heldout_accuracy: HeldoutAccuracy | None = None
     wall_s: float = 0.0
     provenance: Provenance | None = None
+    replicas: dict[str, FleetScore] | None = None
 
     def as_json(self) -> dict:
+        return self._doc() | ({} if self.replicas is None else {"replicas": self._replicas()})
+
+    def _replicas(self) -> dict:
+        assert self.replicas is not None
+        n = self.config.replicas
+        return {"count": n, "threads_per_replica": max(1, self.machine.threads // n),
+                "router": ROUTER, "repeat": 1,
+                "systems": {name: f.as_json() for name, f in self.replicas.items()}}
+
+    def _doc(self) -> dict:
         t = self.trace.trace
         prov = self.provenance.as_json() if self.provenance else {}
         return {

@@ -27,9 +27,11 @@ from deltaserve.bench import provenance
 from deltaserve.bench.accuracy import heldout_accuracy
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.execute import RunInputs, hardware_share, run_system
+from deltaserve.bench.fleet_score import FleetScore, announce, fleet_score
 from deltaserve.bench.outcome import SystemRun
 from deltaserve.bench.prepare import build_trace, calibrate, host_limits, load_data, log
 from deltaserve.bench.repeats import summarize
+from deltaserve.bench.replicas import check_replicas, run_replicated, threads_per_replica
 from deltaserve.bench.report import write_report
 from deltaserve.bench.results import BenchResults, HeldoutAccuracy, Machine, SweepPoint
 from deltaserve.bench.score import HarvestBase, binding, comparisons, harvest_base, order, score_run
@@ -86,7 +88,9 @@ def replay_all(inputs: RunInputs, specs: tuple[SystemSpec, ...]) -> Replays:
     other scales. Interleaving the rounds spreads slow drifts of the machine over every
     system alike."""
     cfg = inputs.cfg
-    pilot = run_system(inputs, specs[0], None, None, label="pilot")
+    # --replicas N > 1: every system, the pilot included, as N replicas of the host
+    run_system_ = run_system if cfg.replicas == 1 else run_replicated
+    pilot = run_system_(inputs, specs[0], None, None, label="pilot")
     slos = _slos(cfg, pilot)
     reps = Replays(pilot, slos, {}, {s: {} for s in slos})
     window = cfg.window_s(inputs.trace.duration_s)
@@ -95,10 +99,10 @@ def replay_all(inputs: RunInputs, specs: tuple[SystemSpec, ...]) -> Replays:
         for scale in sorted(slos, key=lambda s: s != cfg.slo_scale):
             for spec in specs:
                 if spec.slo_aware:
-                    run = run_system(inputs, spec, slos[scale].config, scale, tag=tag)
+                    run = run_system_(inputs, spec, slos[scale].config, scale, tag=tag)
                     reps.by_scale[scale].setdefault(spec.name, []).append(run)
                 elif scale == cfg.slo_scale:
-                    run = run_system(inputs, spec, slos[scale].config, None, tag=tag)
+                    run = run_system_(inputs, spec, slos[scale].config, None, tag=tag)
                     reps.once.setdefault(spec.name, []).append(run)
                 else:
                     continue
@@ -118,6 +122,18 @@ def _accuracy(cfg: BenchConfig, data_heldout, reps: Replays, threads: int
     if not data_heldout or not runs or is_random(cfg.engine.model):
         return None  # a random model's answers are noise: nothing to score
     return heldout_accuracy(cfg, data_heldout, runs[0].adapter_dir, threads, "deltaserve")
+
+
+def _fleets(cfg: BenchConfig, reps: Replays, names: list[str], window_s: float
+            ) -> dict[str, FleetScore] | None:
+    """With replicas: each system's replicas at the main scale (its first repeat)."""
+    if cfg.replicas == 1:
+        return None
+    slo = reps.slos[cfg.slo_scale].config
+    fleets = {n: fleet_score(reps.at(cfg.slo_scale, n)[0], slo, window_s) for n in names}
+    for n, fleet in fleets.items():
+        announce(cfg, n, fleet)
+    return fleets
 
 
 def out_dir(cfg: BenchConfig, today: datetime.date | None = None) -> Path:
@@ -141,12 +157,18 @@ def run_bench(cfg: BenchConfig) -> dict:
     work = _workdir(out)
     threads = torch.get_num_threads()
     specs = parse_systems(cfg.systems)
+    check_replicas(cfg, specs, threads)
     model_path = resolve_model(cfg.engine.model)
     data = load_data(cfg, work, load_tokenizer(model_path))
-    lm_paths = {n: calibrate(cfg, work, n)
-                for n in sorted({hardware_share(cfg, s, threads).host for s in specs})}
-    lm = LatencyModel.load(lm_paths[threads])
-    fitted = build_trace(cfg, lm, host_limits(cfg, model_path))
+    if cfg.replicas == 1:
+        host_counts = {hardware_share(cfg, s, threads).host for s in specs}
+        fit_threads = threads
+    else:  # every replica of every system runs on its share of the threads
+        fit_threads = threads_per_replica(cfg, threads)
+        host_counts = {fit_threads}
+    lm_paths = {n: calibrate(cfg, work, n) for n in sorted(host_counts)}
+    lm = LatencyModel.load(lm_paths[fit_threads])
+    fitted = build_trace(cfg, lm, host_limits(cfg, model_path), replicas=cfg.replicas)
     inputs = RunInputs(cfg, fitted.trace, data, lm_paths, work, threads)
     standalone = standalone_tokens_per_s(
         str(model_path), data.samples, cfg.lora, cfg.optimizer, cfg.backward.batch_tokens,
@@ -167,7 +189,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         Machine(threads, os.cpu_count(), torch.cuda.is_available(), cfg.host, cfg.engine.model,
                 (load_start, os.getloadavg()[0])),
         lm.quality(), data.report, data.path, cfg, _accuracy(cfg, data.heldout, reps, threads),
-        time.monotonic() - t_start, provenance.collect())
+        time.monotonic() - t_start, provenance.collect(),
+        _fleets(cfg, reps, names, cfg.window_s(fitted.trace.duration_s)))
     doc = results.write(out / "results.json")
     write_report(out, results, reps.first(cfg.slo_scale))
     log(cfg, f"{results.binding.verdict}")

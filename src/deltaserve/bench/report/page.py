@@ -96,6 +96,29 @@ def _late_events_html(doc: dict) -> str:
             + _table(head, rows))
 
 
+def _replicas_html(doc: dict) -> str:
+    """With ``--replicas``: every system's replicas, their totals and the all-reduce time."""
+    fleet = doc.get("replicas")
+    if not fleet:
+        return ""
+    rows = []
+    for name, f in fleet["systems"].items():
+        reduce_ms = ("–" if f["allreduce_s_median"] is None else
+                     f"{f['allreduce_s_median'] * 1e3:.1f} / {f['allreduce_s_p90'] * 1e3:.1f}")
+        for r in f["replicas"]:
+            rows.append([name, str(r["rank"]), str(r["requests"]),
+                         f"{r['ft_tokens_per_s']:.1f}", _pct(r["slo_attainment"]), ""])
+        rows.append([name, "total", str(sum(r["requests"] for r in f["replicas"])),
+                     f"{f['ft_tokens_per_s']:.1f}", _pct(f["slo_attainment"]), reduce_ms])
+    head = ("system", "replica", "requests", "FT tokens/s", "SLO attainment",
+            "all-reduce per step, median / p90 (ms)")
+    return (f"<h2>Replicas</h2><p>{fleet['count']} data-parallel replicas of "
+            f"{fleet['threads_per_replica']} thread(s) each, requests routed "
+            f"{html.escape(fleet['router'])}, one adapter trained by all (gradients "
+            f"all-reduced every optimizer step; its time includes waiting for the slowest "
+            f"replica). Main scale, repeat {fleet['repeat']}.</p>" + _table(head, rows))
+
+
 def _window_text(doc: dict) -> str:
     w = doc.get("window_s")
     if w is None:
@@ -157,6 +180,7 @@ request's scheduled arrival to its last token.</p>
 {_padding_text(doc)}
 <p>{LATENCY_TEXT.format(k=k, min_ms=doc['config']['latency_error_min_ms'])}</p>
 {_table(('system', 'mode', 'online MAPE (steps)', 'held-out MAPE (steps)'), _latency_rows(doc))}
+{_replicas_html(doc)}
 {_late_events_html(doc)}
 {_sweep_html(doc)}
 <h2>Start-up calibration</h2><ul>{cal}</ul>

@@ -1,0 +1,192 @@
+"""``deltaserve bench --replicas N``: every system as N data-parallel replicas of the native host.
+
+How replicas are formed: each replica is its own engine on ``threads // N`` of the machine's
+threads (torch's thread count is one per process, so every replica gets the same), with its own
+latency model (a copy of the calibration at that thread count) and, for a co-serving system, its
+own co-server, attached as rank r of N (``CoServeConfig.data_parallel``): its backward process
+joins one gloo group of the N backward processes (rendezvous on a free local port), trains its
+:class:`~deltaserve.core.shard.DataShard` of every epoch and all-reduces every optimizer step's
+gradient, so the replicas train one adapter (:mod:`deltaserve.train.group_steps` keeps their
+steps in lock-step). The replicas attach, and detach, concurrently: the group forms, and lets
+its members go, only with all of them. One client replays the trace, routing request i to
+replica ``i mod N`` (:func:`~deltaserve.bench.replay.round_robin`); every replica's loop runs
+until the window closes. inference-only runs the same replicas without training.
+
+Scoring: the run's ``result`` and ``commits`` are the fleet's (every replica's requests, steps
+and commits), so every system is scored as a whole by the bench's usual path (the pilot's idle
+capacity counts each step on its replica's cores); :mod:`deltaserve.bench.fleet_score` adds
+each replica's FT tokens/s and SLO attainment and the all-reduce time per step.
+
+Assumed: one process holds every replica (the engines' steps run concurrently in threads, the
+GIL held only between kernels), the machine's threads split evenly, a round-robin router (no
+load balancing), and no replica failure (a lost member is outside this bench).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.coserve_config import coserve_config
+from deltaserve.bench.execute import RunInputs, bench_training, grant_policy, warm_up
+from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_mode
+from deltaserve.bench.outcome import Commit, HardwareShare, ReplicaRun, SystemRun
+from deltaserve.bench.prepare import make_host
+from deltaserve.bench.replay import ReplayResult, replay_fleet
+from deltaserve.bench.systems import SystemSpec
+from deltaserve.core.errors import require
+from deltaserve.core.slo import SLOConfig
+from deltaserve.hosts.base import BaseHost
+from deltaserve.train.checkpoint_store import find_latest
+from deltaserve.train.config import DataParallelConfig, GrantPolicy
+from deltaserve.train.events import OptimizerStep, TrainingEvent
+from deltaserve.train.facade import CoServer
+
+
+def threads_per_replica(cfg: BenchConfig, threads: int) -> int:
+    return max(1, threads // cfg.replicas)
+
+
+def check_replicas(cfg: BenchConfig, specs: Sequence[SystemSpec], threads: int) -> None:
+    """Refuse, before any model loads, replicas the machine or a system cannot run."""
+    if cfg.replicas == 1:
+        return
+    require(cfg.replicas <= threads, "replicas", cfg.replicas,
+            f"each replica needs a thread of its own; this machine gives torch {threads}")
+    for spec in specs:
+        require(not spec.trainer_replicas, "replicas", cfg.replicas,
+                f"{spec.name} trains beside the host on reserved cores: it has no replicas "
+                f"(drop it from --systems)")
+        require(not spec.coserve or grant_policy(cfg, spec) is not GrantPolicy.PARTITION,
+                "replicas", cfg.replicas, f"{spec.name}: a partitioned backward reserves "
+                f"cores that replicas of one thread do not have")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _on_threads(calls: Sequence[Callable[[], object]]) -> list[object]:
+    """Run ``calls`` concurrently (each replica's attach or detach: a group forms and ends
+    only with all its members) and return their results; the first error is raised after all
+    have ended."""
+    out: list[object] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as e:  # re-raised on the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"replica-{i}")
+               for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _record(co: CoServer) -> tuple[list[Commit], list[float]]:
+    """The co-server's commits from now on, and each step's all-reduce seconds."""
+    commits: list[Commit] = []
+    allreduce_s: list[float] = []
+
+    def on_event(ev: TrainingEvent) -> None:
+        if isinstance(ev, OptimizerStep):
+            commits.append(Commit(ev.at_s, ev.num_tokens, len(ev.sample_ids), ev.num_tokens))
+            allreduce_s.append(ev.allreduce_s)
+
+    co.subscribe(on_event)
+    return commits, allreduce_s
+
+
+def _attach(hosts: Sequence[BaseHost], inputs: RunInputs, spec: SystemSpec, slo: SLOConfig,
+            root: Path, threads: int) -> list[CoServer]:
+    """Every replica's co-server, rank r of N, each backward on ``threads`` (the replica's
+    share; stated, since an attaching thread's own torch count is OpenMP's default)."""
+    cfg, n = inputs.cfg, len(hosts)
+    port = free_port()
+
+    def attach(rank: int) -> Callable[[], CoServer]:
+        config = coserve_config(spec, bench_training(cfg, slo, root / f"replica-{rank}"))
+        b = config.backward
+        config = replace(config, backward=replace(b, threads=b.threads or threads),
+                         data_parallel=DataParallelConfig(n, rank, master_port=port))
+        return lambda: hosts[rank].attach(dataset=inputs.data.samples, config=config,
+                                          latency_model=hosts[rank].latency_model,
+                                          scheduler_cls=spec.scheduler_cls, progress=False)
+
+    return [co for co in _on_threads([attach(r) for r in range(n)])
+            if isinstance(co, CoServer)]
+
+
+def fleet_result(results: Sequence[ReplayResult]) -> ReplayResult:
+    """The replicas' results as one: every request (in trace order) and every step."""
+    first = results[0]
+    records = sorted((rec for r in results for rec in r.records), key=lambda rec: rec.index)
+    steps = sorted((s for r in results for s in r.steps), key=lambda s: s.t_s)
+    return ReplayResult(records, first.start_s, first.end_s, first.trace_duration_s, steps,
+                        any(r.timed_out for r in results))
+
+
+def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
+                   slo_scale: float | None, *, label: str | None = None, tag: str = ""
+                   ) -> SystemRun:
+    """:func:`~deltaserve.bench.execute.run_system` for ``--replicas`` N > 1 (the same
+    arguments): the trace against N replicas of the host, training one adapter."""
+    cfg = inputs.cfg
+    per = threads_per_replica(cfg, inputs.threads)
+    if label is None:
+        label = spec.name if slo_scale is None else f"{spec.name} @{slo_scale:g}"
+    label += tag
+    root = inputs.work / "checkpoints" / label.replace(" @", "-").replace(" #", "-")
+    hosts: list[BaseHost] = []
+    try:
+        for _ in range(cfg.replicas):
+            hosts.append(make_host(cfg, per))
+        lms = []
+        for host in hosts:
+            warm_up(host, inputs.data.prompts)
+            lm = HoldoutLatencyModel.load(inputs.lm_paths[per])
+            lm.every = cfg.latency_holdout_every
+            host.latency_model = lm
+            lms.append(lm)
+        cos: list[CoServer] = []
+        if spec.coserve:
+            assert slo is not None, "a co-serving system needs a SLO"
+            cos = _attach(hosts, inputs, spec, slo, root, per)
+        recorded = [_record(co) for co in cos] or [([], []) for _ in hosts]
+        results = replay_fleet(hosts, inputs.trace, inputs.data.prompts, label=label,
+                               min_wall_s=cfg.window_s(inputs.trace.duration_s),
+                               progress=cfg.progress)
+        for co in cos:  # a run whose backward lost every step is an error, not 0 tokens/s
+            co.raise_if_failed()
+        replicas = tuple(ReplicaRun(r, res, commits, reduce_s)
+                         for r, (res, (commits, reduce_s))
+                         in enumerate(zip(results, recorded, strict=True)))
+        # the latency model's errors: replica 0's (every replica's model starts from one
+        # calibration and sees its own share of the same trace)
+        run = SystemRun(spec, fleet_result(results),
+                        [c for rep in replicas for c in rep.commits],
+                        errors_by_mode(lms[0], cfg.latency_error_min_ms / 1e3),
+                        HardwareShare(inputs.threads, per, 0), slo_scale, replicas=replicas)
+        if cos:
+            _on_threads([lambda h=h: h.detach(drain=False, checkpoint=True) for h in hosts])
+            latest = find_latest(root / "replica-0")
+            run.adapter_dir = str(latest) if latest else None
+            run.train_log = str(root / "replica-0" / "train_log.jsonl")
+        return run
+    finally:
+        # detach any co-server still attached (an error path) on every replica at once: each
+        # sends its peers empty shares until all have closed
+        _on_threads([lambda h=h: h.close() for h in hosts])

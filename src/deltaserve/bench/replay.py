@@ -130,11 +130,17 @@ def _unfinished(hosts: Sequence[BaseHost]) -> bool:
     return any(h.has_unfinished() for h in hosts)
 
 
-def _loop(host: BaseHost, stop: threading.Event, threads: int) -> None:
+def _loop(host: BaseHost, stop: threading.Event, threads: int,
+          errors: list[BaseException]) -> None:
     """A replica's loop on a thread of its own. OpenMP keeps its thread count per thread (a
-    new one starts from the default, every core), so the caller's is applied here first."""
-    torch.set_num_threads(threads)
-    host.run_loop(stop)
+    new one starts from the default, every core), so the caller's is applied here first. A
+    loop that raises stops the replay (the caller raises it)."""
+    try:
+        torch.set_num_threads(threads)
+        host.run_loop(stop)
+    except BaseException as e:  # re-raised on the caller's thread
+        errors.append(e)
+        stop.set()
 
 
 def _send(hosts: Sequence[BaseHost], records: list[RequestRecord], trace: Trace,
@@ -157,9 +163,9 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
                  progress: bool = True) -> list[ReplayResult]:
     """:func:`replay` against replicas: one client sends the trace, each request to the host
     :func:`round_robin` names, and every host's loop runs until the window closes (the first
-    in the calling thread, the others each in a thread of its own: a replica of one thread has
-    no OpenMP pool to keep). One result per host, with its own requests and steps and the
-    fleet's common start and end."""
+    in the calling thread, the others each in a thread of its own, on the caller's torch
+    thread count). One result per host, with its own requests and steps and the fleet's
+    common start and end."""
     records = [RequestRecord(i, 0.0, r.prompt_tokens, r.output_tokens)
                for i, r in enumerate(trace.requests)]
     steps: list[list[StepRecord]] = [[] for _ in hosts]
@@ -186,8 +192,9 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
 
     sender = threading.Thread(target=client, name="replay-client", daemon=True)
     threads = torch.get_num_threads()  # the calling thread's: what the hosts were built with
-    loops = [threading.Thread(target=_loop, args=(h, stop, threads), name=f"replica-{r}",
-                              daemon=True)
+    errors: list[BaseException] = []
+    loops = [threading.Thread(target=_loop, args=(h, stop, threads, errors),
+                              name=f"replica-{r}", daemon=True)
              for r, h in enumerate(hosts) if r > 0]
     sender.start()
     for t in loops:
@@ -202,6 +209,8 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
         bar.close()
         for host, host_steps in zip(hosts, steps, strict=True):
             host.unsubscribe_steps(host_steps.append)
+    if errors:
+        raise errors[0]
     n = len(hosts)
     return [ReplayResult([rec for rec in records if round_robin(rec.index, n) == r], start,
                          float(outcome["end"]), trace.duration_s, steps[r],

@@ -32,9 +32,9 @@ After a global step, with totals ``E`` and ``S``:
 A replica that still trains in the epoch (``E`` counts it) submits real steps as its captures
 fill them: the peers' empty shares wait for it. The slowest replica paces the group, as in any
 synchronous data parallelism; waiting in the all-reduce computes nothing (the backward counts
-as parked, so a host step never waits for it). Every replica must close eventually (a lost
-replica, and a replica detached for good while its peers serve on, are outside this rule: the
-peers' next step fails after ``timeout_s``).
+as parked, so a host step never waits for it). Every replica must close eventually: one that
+detaches keeps sending empty shares until its peers close too (within its close's timeout),
+and a lost replica is outside this rule (its peers' next step fails after ``timeout_s``).
 """
 
 from __future__ import annotations

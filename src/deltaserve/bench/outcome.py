@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaserve.bench.latency_holdout import ModeError
+from deltaserve.bench.latency_holdout import KindError, ModeError
 from deltaserve.bench.metrics import in_window
 from deltaserve.bench.replay import ReplayResult
 from deltaserve.bench.systems import SystemSpec
@@ -40,7 +40,8 @@ class HardwareShare:
 @dataclass
 class SystemRun:
     """``slo_scale``: the SLO scale it ran under (None for a system that ignores the SLO).
-    ``latency``: the latency model's error per execution mode, online and held out."""
+    ``latency``: the latency model's error per execution mode, online and held out;
+    ``latency_kinds``: its online error split by step kind (empty where none is kept)."""
 
     spec: SystemSpec
     result: ReplayResult
@@ -50,6 +51,7 @@ class SystemRun:
     slo_scale: float | None = None
     adapter_dir: str | None = None
     train_log: str | None = None
+    latency_kinds: tuple[KindError, ...] = ()
 
     def window_commits(self, window_s: float | None = None) -> list[Commit]:
         """The commits that landed in the window of ``window_s`` seconds from the replay's

@@ -5,7 +5,15 @@ import random
 import numpy as np
 import pytest
 
-from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_mode
+from deltaserve.bench.latency_holdout import (
+    HoldoutLatencyModel,
+    KindError,
+    StepKind,
+    errors_by_kind,
+    errors_by_mode,
+    kind_of,
+    pooled_kind_errors,
+)
 from deltaserve.core import StepShape
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig, fit_from
 from deltaserve.core.shape import ExecMode
@@ -86,3 +94,67 @@ def test_nothing_is_held_out_by_default(saved):
     for shape, seconds in served_steps(20):
         model.observe(shape, seconds)
     assert model.heldout_error() == () and model.online_error()[0].num_steps == 20
+
+
+def kinded_steps(n=160, seed=1):
+    """Steps of every kind, each kind off the calibration by its own factor."""
+    rng = random.Random(seed)
+    slower = {StepKind.DECODE: 1.0, StepKind.PREFILL: 1.1, StepKind.MIXED_FT: 1.4,
+              StepKind.FT_ONLY: 0.8}
+    out = []
+    for _ in range(n):
+        pick = rng.randrange(4)
+        if pick == 0:
+            s = StepShape(num_decode=rng.randint(1, 16), kv_tokens=rng.randint(16, 2000))
+        elif pick == 1:
+            s = StepShape((rng.randint(8, 200),), num_decode=rng.randint(0, 8))
+        elif pick == 2:
+            s = StepShape((rng.randint(8, 200),), num_decode=rng.randint(0, 8),
+                          ft_lens=(rng.randint(8, 120),))
+        else:
+            s = StepShape(ft_lens=(rng.randint(8, 120), rng.randint(8, 120)))
+        out.append((s, slower[kind_of(s)] * exact(s) * rng.uniform(0.97, 1.03)))
+    return out
+
+
+def test_the_kinds_split_the_step_shapes():
+    assert kind_of(StepShape(num_decode=3, kv_tokens=9)) is StepKind.DECODE
+    assert kind_of(StepShape((5,), num_decode=3)) is StepKind.PREFILL
+    assert kind_of(StepShape(num_decode=3, ft_lens=(4,))) is StepKind.MIXED_FT
+    assert kind_of(StepShape(ft_lens=(4,))) is StepKind.FT_ONLY
+
+
+def test_online_error_by_kind_is_each_kinds_own_mape_and_bias(saved):
+    """Against a brute force: a plain model predicting each learned step before learning it,
+    grouped by kind by hand. Held-out steps stay out of the split, as out of the online MAPE."""
+    model = HoldoutLatencyModel.load(saved)
+    model.every = 5
+    reference = LatencyModel.load(saved)
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for i, (shape, seconds) in enumerate(kinded_steps(), start=1):
+        model.observe(shape, seconds)
+        if i % 5:
+            rows.setdefault(kind_of(shape).value, []).append(
+                (reference.observe(shape, seconds), seconds))
+    split = {e.kind: e for e in errors_by_kind(model, 0.0)}
+    assert set(split) == {k.value for k in StepKind} == set(rows)
+    for kind, got in split.items():
+        pred, y = np.array(rows[kind]).T
+        assert got.mode == ExecMode.EAGER.value and got.steps == len(y)
+        assert got.mape == pytest.approx(float(np.mean(np.abs(pred - y) / y)))
+        assert got.bias == pytest.approx(float(np.mean(y / pred)) - 1)
+    # the calibration is exact, so each kind's bias shows its own slowdown until the refit
+    # catches up: the ones run slower than calibrated lean positive, the faster one negative
+    assert split["mixed+ft"].bias > split["decode"].bias > split["ft-only"].bias
+    assert sum(e.steps for e in split.values()) == model.online_error()[0].num_steps
+    assert errors_by_kind(LatencyModel.load(saved), 0.0) == () and errors_by_kind(None, 0) == ()
+
+
+def test_pooled_kind_errors_equal_the_error_over_every_repeats_steps():
+    a = (KindError("decode", "eager", 2, 0.1, 0.05), KindError("prefill", "eager", 1, 0.3, -0.2))
+    b = (KindError("decode", "eager", 6, 0.2, -0.05),)
+    pooled = {e.kind: e for e in pooled_kind_errors([a, b])}
+    assert pooled["decode"].steps == 8
+    assert pooled["decode"].mape == pytest.approx((2 * 0.1 + 6 * 0.2) / 8)
+    assert pooled["decode"].bias == pytest.approx((2 * 0.05 - 6 * 0.05) / 8)
+    assert pooled["prefill"] == a[1]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.coserve_config import BenchTraining, coserve_config, system_grant
-from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_mode
+from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_kind, errors_by_mode
 from deltaserve.bench.outcome import Commit, HardwareShare, SystemRun
 from deltaserve.bench.prepare import BenchData, make_host
 from deltaserve.bench.replay import PromptSource, replay
@@ -150,8 +150,9 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
             commits = [Commit(s.at_s, s.num_tokens, s.num_samples, s.num_padded_tokens)
                        for s in trainer.stop()]
             trainer = None
-        run = SystemRun(spec, result, commits, errors_by_mode(lm, cfg.latency_error_min_ms / 1e3),
-                        share, slo_scale)
+        min_s = cfg.latency_error_min_ms / 1e3
+        run = SystemRun(spec, result, commits, errors_by_mode(lm, min_s), share, slo_scale,
+                        latency_kinds=errors_by_kind(lm, min_s))
         if spec.coserve:
             host.detach(drain=False, checkpoint=True)
             latest = find_latest(root)

@@ -8,17 +8,37 @@
   chasing the most recent steps.
 
 Both use the same filter (steps of at least ``min_seconds``) and the same MAPE.
+
+The online error is also split by *step kind* (:class:`StepKind`: decode-only, inference
+prefill, inference beside fine-tuning rows, fine-tuning rows alone), each with its bias, the
+mean of actual ÷ predicted less one (positive: steps ran slower than predicted). A per-mode
+MAPE says how far off the model is; the split says on which steps, which is where a fix starts.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 
 import numpy as np
 
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig, OnlineError
 from deltaserve.core.shape import ExecMode, StepShape
+
+
+class StepKind(StrEnum):
+    DECODE = "decode"  # Equation II: decode tokens only
+    PREFILL = "prefill"  # Equation I with inference rows only
+    MIXED_FT = "mixed+ft"  # Equation I: inference rows beside fine-tuning rows
+    FT_ONLY = "ft-only"  # Equation I: fine-tuning rows alone (an idle engine's training step)
+
+
+def kind_of(shape: StepShape) -> StepKind:
+    if not shape.ft_lens:
+        return StepKind.DECODE if shape.is_decode_only else StepKind.PREFILL
+    return StepKind.MIXED_FT if shape.num_prefill_tokens + shape.num_decode else StepKind.FT_ONLY
 
 
 class HoldoutLatencyModel(LatencyModel):
@@ -30,6 +50,10 @@ class HoldoutLatencyModel(LatencyModel):
         self.every = 0
         self._observed = 0
         self._heldout: dict[ExecMode, list[tuple[float, float]]] = {}
+        # every online step's (predicted, actual), by kind; unlike the model's own error ring it
+        # never ages out, so over a run longer than the ring it covers more steps than the
+        # per-mode MAPE does
+        self._online_by_kind: dict[tuple[StepKind, ExecMode], list[tuple[float, float]]] = {}
 
     def observe(self, shape: StepShape, seconds: float) -> float | None:
         self._observed += 1
@@ -38,7 +62,25 @@ class HoldoutLatencyModel(LatencyModel):
             if math.isfinite(predicted) and seconds > 0:
                 self._heldout.setdefault(shape.mode, []).append((predicted, seconds))
             return predicted
-        return super().observe(shape, seconds)
+        predicted = super().observe(shape, seconds)
+        if predicted is not None and math.isfinite(predicted) and seconds > 0:
+            key = (kind_of(shape), shape.mode)
+            self._online_by_kind.setdefault(key, []).append((predicted, seconds))
+        return predicted
+
+    def online_error_by_kind(self, min_seconds: float = 0.0) -> tuple[KindError, ...]:
+        """The online steps of at least ``min_seconds``, per (kind, mode), in kind order."""
+        out = []
+        for kind in StepKind:
+            for mode in ExecMode:
+                d = np.array([r for r in self._online_by_kind.get((kind, mode), ())
+                              if r[1] >= min_seconds])
+                if len(d):
+                    out.append(KindError(
+                        kind.value, mode.value, len(d),
+                        float(np.mean(np.abs(d[:, 0] - d[:, 1]) / d[:, 1])),
+                        float(np.mean(d[:, 1] / d[:, 0]) - 1.0)))
+        return tuple(out)
 
     def heldout_error(self, min_seconds: float = 0.0) -> tuple[OnlineError, ...]:
         """Per-mode MAPE of the held-out steps of at least ``min_seconds``."""
@@ -63,6 +105,43 @@ class ModeError:
 
     def as_json(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class KindError:
+    """The online error on one kind of step in one mode: ``mape``, and ``bias``, the mean of
+    actual ÷ predicted less one (positive: slower than predicted)."""
+
+    kind: str
+    mode: str
+    steps: int
+    mape: float
+    bias: float
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def errors_by_kind(model: LatencyModel | None, min_seconds: float) -> tuple[KindError, ...]:
+    """The online error split by step kind (empty for a model that keeps no split)."""
+    if not isinstance(model, HoldoutLatencyModel):
+        return ()
+    return model.online_error_by_kind(min_seconds)
+
+
+def pooled_kind_errors(per_run: Sequence[tuple[KindError, ...]]) -> tuple[KindError, ...]:
+    """Each (kind, mode)'s error over every repeat's steps: both figures are means over steps,
+    so the step-weighted mean of the repeats' is exact."""
+    groups: dict[tuple[str, str], list[KindError]] = {}
+    for errors in per_run:
+        for e in errors:
+            groups.setdefault((e.kind, e.mode), []).append(e)
+    out = []
+    for (kind, mode), errs in groups.items():
+        n = sum(e.steps for e in errs)
+        out.append(KindError(kind, mode, n, sum(e.mape * e.steps for e in errs) / n,
+                             sum(e.bias * e.steps for e in errs) / n))
+    return tuple(out)
 
 
 def errors_by_mode(model: LatencyModel | None, min_seconds: float) -> tuple[ModeError, ...]:

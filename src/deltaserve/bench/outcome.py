@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaserve.bench.latency_holdout import ModeError
+from deltaserve.bench.latency_holdout import KindError, ModeError
 from deltaserve.bench.metrics import in_window
 from deltaserve.bench.replay import ReplayResult
 from deltaserve.bench.systems import SystemSpec
@@ -52,7 +52,8 @@ class ReplicaRun:
 @dataclass
 class SystemRun:
     """``slo_scale``: the SLO scale it ran under (None for a system that ignores the SLO).
-    ``latency``: the latency model's error per execution mode, online and held out.
+    ``latency``: the latency model's error per execution mode, online and held out;
+    ``latency_kinds``: its online error split by step kind (empty where none is kept).
     ``replicas``: with ``--replicas`` N > 1, each replica's share; ``result`` and ``commits``
     are then the fleet's (every replica's requests, steps and commits together)."""
 
@@ -64,6 +65,7 @@ class SystemRun:
     slo_scale: float | None = None
     adapter_dir: str | None = None
     train_log: str | None = None
+    latency_kinds: tuple[KindError, ...] = ()
     replicas: tuple[ReplicaRun, ...] = ()
 
     def window_commits(self, window_s: float | None = None) -> list[Commit]:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 
 from deltaserve.bench import metrics as M
-from deltaserve.bench.latency_holdout import ModeError
+from deltaserve.bench.latency_holdout import ModeError, pooled_kind_errors
 from deltaserve.bench.miss_source import MissSources
 from deltaserve.bench.score import SystemScore
 from deltaserve.core.errors import require
@@ -75,6 +75,7 @@ def summarize(scores: Sequence[SystemScore]) -> SystemScore:
     return replace(first, metrics=median_metrics([s.metrics for s in scores]),
                    harvest=replace(first.harvest, ft_tokens=tokens),
                    latency=pooled_errors([s.latency for s in scores]),
+                   latency_kinds=pooled_kind_errors([s.latency_kinds for s in scores]),
                    padded_token_efficiency=_median([s.padded_token_efficiency for s in scores]),
                    drained_s=_median([s.drained_s for s in scores]),
                    misses=_total_misses([s.misses for s in scores]),

@@ -33,7 +33,7 @@ from pathlib import Path
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.coserve_config import coserve_config
 from deltaserve.bench.execute import RunInputs, bench_training, grant_policy, warm_up
-from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_mode
+from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_kind, errors_by_mode
 from deltaserve.bench.outcome import Commit, HardwareShare, ReplicaRun, SystemRun
 from deltaserve.bench.prepare import make_host
 from deltaserve.bench.replay import ReplayResult, replay_fleet
@@ -176,10 +176,12 @@ def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
                          in enumerate(zip(results, recorded, strict=True)))
         # the latency model's errors: replica 0's (every replica's model starts from one
         # calibration and sees its own share of the same trace)
+        min_s = cfg.latency_error_min_ms / 1e3
         run = SystemRun(spec, fleet_result(results),
                         [c for rep in replicas for c in rep.commits],
-                        errors_by_mode(lms[0], cfg.latency_error_min_ms / 1e3),
-                        HardwareShare(inputs.threads, per, 0), slo_scale, replicas=replicas)
+                        errors_by_mode(lms[0], min_s),
+                        HardwareShare(inputs.threads, per, 0), slo_scale,
+                        latency_kinds=errors_by_kind(lms[0], min_s), replicas=replicas)
         if cos:
             _on_threads([lambda h=h: h.detach(drain=False, checkpoint=True) for h in hosts])
             latest = find_latest(root / "replica-0")

@@ -70,6 +70,10 @@ def _announce(cfg: BenchConfig, run: SystemRun, slo: SLOChoice, window: float) -
     log(cfg, f"{run.spec.name}: {m.ft_tokens_per_s:.1f} FT tokens/s in the {window:.0f} s "
              f"window, SLO attainment {m.slo_attainment:.1%}, TTFT p99 {m.ttft_p99_ms or 0:.0f} "
              f"ms, TPOT p99 {m.tpot_p99_ms or 0:.0f} ms, drained at {r.drained_s or 0:.0f} s")
+    if run.latency_kinds:
+        log(cfg, f"{run.spec.name}: latency model online, by step kind: " + "; ".join(
+            f"{e.kind} {e.mode} {e.mape:.1%} (bias {e.bias:+.1%}, {e.steps} steps)"
+            for e in run.latency_kinds))
 
 
 def _slos(cfg: BenchConfig, pilot: SystemRun) -> dict[float, SLOChoice]:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from deltaserve.bench import metrics as M
-from deltaserve.bench.latency_holdout import ModeError
+from deltaserve.bench.latency_holdout import KindError, ModeError
 from deltaserve.bench.miss_source import MissSources, miss_sources
 from deltaserve.bench.outcome import HardwareShare, SystemRun
 from deltaserve.bench.systems import PILOT, SystemSpec
@@ -90,6 +90,7 @@ class SystemScore:
     misses: MissSources | None = None
     drained_s: float | None = None
     runs: tuple[M.SystemMetrics, ...] = ()
+    latency_kinds: tuple[KindError, ...] = ()
 
     @property
     def meets(self) -> bool:
@@ -105,6 +106,7 @@ class SystemScore:
                | {"pair": self.pair, "slo_scale": self.slo_scale,
                   "harvest": self.harvest.as_json(),
                   "latency_model_by_mode": [e.as_json() for e in self.latency],
+                  "latency_model_by_kind": [e.as_json() for e in self.latency_kinds],
                   "hardware_share": asdict(self.share),
                   "padded_token_efficiency": self.padded_token_efficiency,
                   "drained_s": self.drained_s, "repeats": max(1, len(self.runs)),
@@ -138,7 +140,7 @@ def score_run(run: SystemRun, slo: SLOConfig, base: HarvestBase) -> SystemScore:
     misses = miss_sources(r.records, r.steps, slo, [not M.meets_slo(x, slo) for x in r.records])
     return SystemScore(run.spec.name, run.spec.pair, run.slo_scale, metrics, account,
                        run.latency, run.share, tokens / padded if padded else None,
-                       misses, r.drained_s)
+                       misses, r.drained_s, latency_kinds=run.latency_kinds)
 
 
 def overlaps(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool | None:

@@ -4,8 +4,11 @@ A README block between ``<!-- results: PATH -->`` and ``<!-- /results -->`` (PAT
 ``results.json``, relative to the README's folder) holds exactly :func:`render` of that file;
 one between ``<!-- results-summary: PATH -->`` and ``<!-- /results-summary -->`` holds
 :func:`summary`, the run's figures as prose (the README's prose states a run's numbers only in
-such blocks, so none of them can drift from the file).
-``tests/bench/test_readme_results.py`` checks every such block; this module rewrites them::
+such blocks, so none of them can drift from the file). One between
+``<!-- hosts-parity: DIR DIR ... -->`` and ``<!-- /hosts-parity -->`` holds every host's run
+side by side with the goal's verdicts (:mod:`deltaserve.bench.parity`).
+``tests/bench/test_readme_results.py`` and ``tests/bench/test_parity.py`` check every such
+block; this module rewrites them::
 
     python -m deltaserve.bench.tables results/2026-12-10-native-burst-light/results.json
     python -m deltaserve.bench.tables --update README.md
@@ -21,8 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from deltaserve.bench import parity
+
 BLOCK = re.compile(r"(?P<open><!-- results(?P<kind>(?:-summary)?): (?P<path>\S+) -->\n)"
                    r"(?P<body>.*?)(?P<close><!-- /results(?P=kind) -->)", re.S)
+PARITY = re.compile(r"(?P<open><!-- hosts-parity: (?P<path>[^\n]+?) -->\n)(?P<body>.*?)"
+                    r"(?P<close><!-- /hosts-parity -->)", re.S)
 PILOT = "inference-only"
 COLUMNS = ("system", "pair", "FT tokens/s", "× pair", "SLO attainment", "TTFT p50 / p99 (ms)",
            "TPOT p99 (ms)", "E2E mean / p95 (s)", "E2E ÷ inference-only mean / p95", "harvest",
@@ -207,20 +214,32 @@ class Block:
         return self.body == self.expected
 
 
+def render_parity(base: Path, folders: str) -> str:
+    """A hosts-parity block of the runs in ``folders`` (space-separated, relative to
+    ``base``)."""
+    return parity.render(parity.load_runs(base, folders.split()))
+
+
 def blocks(readme: Path) -> list[Block]:
-    """Every results block of ``readme``; a named file that is missing is a FileNotFoundError."""
+    """Every results and hosts-parity block of ``readme``; a named file that is missing is a
+    FileNotFoundError."""
     text = readme.read_text()
-    return [Block(mt["path"], mt["body"], render_file(readme.parent / mt["path"], mt["kind"]))
-            for mt in BLOCK.finditer(text)]
+    return ([Block(mt["path"], mt["body"], render_file(readme.parent / mt["path"], mt["kind"]))
+             for mt in BLOCK.finditer(text)]
+            + [Block(mt["path"], mt["body"], render_parity(readme.parent, mt["path"]))
+               for mt in PARITY.finditer(text)])
 
 
 def update(readme: Path) -> int:
-    """Rewrite every results block of ``readme`` from its file; the number of blocks."""
+    """Rewrite every results and hosts-parity block of ``readme`` from its files; the number of
+    blocks."""
     text = readme.read_text()
-    new, n = BLOCK.subn(lambda mt: mt["open"] + render_file(readme.parent / mt["path"],
-                                                            mt["kind"]) + mt["close"], text)
-    readme.write_text(new)
-    return n
+    text, n = BLOCK.subn(lambda mt: mt["open"] + render_file(readme.parent / mt["path"],
+                                                             mt["kind"]) + mt["close"], text)
+    text, m = PARITY.subn(lambda mt: mt["open"] + render_parity(readme.parent, mt["path"])
+                          + mt["close"], text)
+    readme.write_text(text)
+    return n + m
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,8 @@ NUM_EPOCHS = 2
 OPTIMIZER = OptimizerConfig()
 
 
-def dp_config(rank: int = 0, world_size: int = 2, port: int = 29500) -> CoServeConfig:
+def dp_config(rank: int = 0, world_size: int = 2, port: int = 29500,
+              timeout_s: float = 120.0) -> CoServeConfig:
     # one sample a step (a batch of one token is full after its first sample), so the shards'
     # step counts differ (4 and 3) in every epoch
     return CoServeConfig(slo=SLOConfig(1.0, 0.5), lora=LORA, optimizer=OPTIMIZER,
@@ -40,19 +41,20 @@ def dp_config(rank: int = 0, world_size: int = 2, port: int = 29500) -> CoServeC
                          backward=BackwardConfig(batch_tokens=1, threads=1),
                          num_epochs=NUM_EPOCHS, seed=SEED,
                          data_parallel=DataParallelConfig(world_size, rank, master_port=port,
-                                                          timeout_s=120.0))
+                                                          timeout_s=timeout_s))
 
 
-def start(base_path, samples, port):
+def start(base_path, samples, port, timeout_s: float = 120.0):
     """Both replicas' co-servers, built concurrently: each backward waits for its peer's to
-    form the group."""
+    form the group (``timeout_s``: the group's, for a peer in a collective too)."""
     cos: list[CoServer | None] = [None, None]
     errors: list[BaseException] = []
     models = [fx.model(base_path) for _ in range(2)]
 
     def build(rank: int) -> None:
         try:
-            cos[rank] = CoServer.for_model(dp_config(rank, port=port), fx.LIMITS,
+            cos[rank] = CoServer.for_model(dp_config(rank, port=port, timeout_s=timeout_s),
+                                           fx.LIMITS,
                                            models[rank], samples,
                                            base_model=str(base_path),
                                            latency_model=fx.latency_model())

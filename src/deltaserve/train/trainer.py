@@ -33,7 +33,12 @@ from deltaserve.core.data import TrainingSample
 from deltaserve.core.errors import require
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
-from deltaserve.train.backward.driver import BackwardDriver, BackwardOutcome, resolve_policy
+from deltaserve.train.backward.driver import (
+    BackwardDriver,
+    BackwardOutcome,
+    JobLost,
+    resolve_policy,
+)
 from deltaserve.train.backward.messages import (
     BackwardDone,
     BackwardJob,
@@ -55,7 +60,7 @@ from deltaserve.train.events import (
     ValidationLoss,
 )
 from deltaserve.train.group_steps import GroupSteps, Share, Votes
-from deltaserve.train.lost_steps import LostSteps, TrainingFailed
+from deltaserve.train.lost_steps import LostSteps, TrainingFailed, reason_summary
 from deltaserve.train.optim import OptimizerState
 from deltaserve.train.publish import PublishGuard
 from deltaserve.train.samples import SampleBook
@@ -190,13 +195,28 @@ class Trainer(GrantDelegation):
                                            outcome.reason))
             return
         self.book.release(s.sample_id for s in outcome.job.samples)
-        self.counts["worker_restarts" if outcome.process_died else "backward_failures"] += 1
+        restarted = outcome.process_died and self.group is None
+        self.counts["worker_restarts" if restarted else "backward_failures"] += 1
         rolled = "; the half-published step was rolled back" if outcome.rolled_back else ""
         self._emit(StepLost(time.monotonic(), outcome.job.step, len(outcome.job.samples),
                             outcome.reason + rolled))
         failure = self.lost.lost(outcome.job.step, outcome.reason, outcome.process_died)
+        if self.group is not None and (outcome.process_died or outcome.group_lost):
+            failure = self._group_failure(outcome)
         if failure is not None and self.failure is None:
             self._give_up(failure)
+
+    def _group_failure(self, outcome: JobLost) -> TrainingFailed:
+        """A data-parallel replica whose backward died, or whose group lost a peer, can never
+        step again (no new member joins the group, and a failed collective leaves the ranks
+        out of step): it stops training at once, retrying nothing. Its samples are back in its
+        pool; serving goes on."""
+        dp = self.config.data_parallel
+        what = ("its backward process died" if outcome.process_died
+                else f"the group lost a peer ({reason_summary(outcome.reason)})")
+        return TrainingFailed(f"data-parallel replica {dp.rank} of {dp.world_size}: {what}; "
+                              f"the group cannot step again, so this replica trains no more",
+                              self.lost.consecutive)
 
     def _give_up(self, failure: TrainingFailed) -> None:
         """Stop training for good: no more jobs (the captured samples go back to the pool);

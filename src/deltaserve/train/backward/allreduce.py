@@ -40,6 +40,11 @@ from deltaserve.train.config import DataParallelBackend, DataParallelConfig
 from deltaserve.train.optim import OptimizerState
 
 
+class GroupLost(RuntimeError):
+    """A collective of the replicas' group failed: a peer is gone (its process died, or it did
+    not answer within ``DataParallelConfig.timeout_s``). The group cannot step again."""
+
+
 @dataclass(frozen=True)
 class ReducedGradient:
     """The step's gradient now in ``flat.grad`` is that of the global batch's mean loss (zero,
@@ -63,6 +68,7 @@ class GradientAllReduce:
     def __init__(self, config: DataParallelConfig, device: torch.device):
         assert config.distributed, "one replica forms no group"
         self.config, self.device = config, device
+        self.broken = False  # a collective failed: the group is unusable
         # env rendezvous: the variables torchrun sets, here from the config (which
         # DataParallelConfig.from_env reads from them); this process is the backward's own
         os.environ["MASTER_ADDR"] = config.master_addr
@@ -96,7 +102,14 @@ class GradientAllReduce:
         tail = torch.tensor([float(num_loss_tokens), float(epoch_open), float(staying)],
                             device=grad.device, dtype=grad.dtype)
         packed = torch.cat([grad.reshape(-1) * num_loss_tokens, tail])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        try:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        except Exception as e:
+            # the ranks are out of step now (a peer died, or one gave up waiting): no later
+            # collective of this group can pair up, and a new member cannot join it
+            self.broken = True
+            raise GroupLost(f"the data-parallel all-reduce failed (rank {self.config.rank} of "
+                            f"{self.config.world_size}): {e}") from e
         total, opened, stay = (round(float(v)) for v in packed[-3:])
         if total > 0:
             grad.copy_(packed[:-3].reshape(grad.shape).div_(total))
@@ -105,7 +118,9 @@ class GradientAllReduce:
         return ReducedGradient(total, time.perf_counter() - t0, opened, stay)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        # a broken group is left to the process's exit (tearing it down may wait on the peer
+        # that is gone)
+        if dist.is_initialized() and not self.broken:
             dist.destroy_process_group()
 
 

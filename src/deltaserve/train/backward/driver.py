@@ -3,8 +3,8 @@ results as one kind of outcome.
 
 A job ends in exactly one :data:`BackwardOutcome`: ``BackwardDone`` (the adapter holds its step),
 ``EvalDone`` (a validation loss) or :class:`JobLost` (the job raised, or the process died and was
-restarted; the adapter is at the last committed step). The co-server handles each in one
-place, whichever call observed it.
+restarted, unless it was a data-parallel replica's; the adapter is at the last committed step).
+The co-server handles each in one place, whichever call observed it.
 """
 
 from __future__ import annotations
@@ -35,12 +35,14 @@ _LAYER_EMA = 0.3  # weight of the newest layer time in the running estimate
 class JobLost:
     """``job`` did not reach the adapter. ``reason``: the traceback, or how the process died.
     ``rolled_back``: the process died while publishing and the shared state was restored to the
-    last committed step."""
+    last committed step. ``group_lost``: data parallel, the job's all-reduce failed (a peer is
+    gone)."""
 
     job: BackwardJob | EvalJob
     reason: str
     process_died: bool
     rolled_back: bool = False
+    group_lost: bool = False
 
 
 BackwardOutcome = BackwardDone | EvalDone | JobLost
@@ -129,7 +131,8 @@ class BackwardDriver:
                 out.append(ev)
             elif isinstance(ev, BackwardFailed):
                 assert self._job is not None and self._job.step == ev.step
-                out.append(JobLost(self._job, ev.error, process_died=False))
+                out.append(JobLost(self._job, ev.error, process_died=False,
+                                   group_lost=ev.group_lost))
             elif isinstance(ev, WorkerLost):
                 out.append(JobLost(ev.job, f"backward process died (exit code {ev.exitcode})",
                                    process_died=True, rolled_back=ev.rolled_back))

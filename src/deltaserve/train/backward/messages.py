@@ -104,10 +104,13 @@ class LayerDone:
 
 @dataclass(frozen=True)
 class BackwardFailed:
-    """The step raised; the adapter is unchanged and its samples go back to the pool."""
+    """The step raised; the adapter is unchanged and its samples go back to the pool.
+    ``group_lost``: data parallel, the step's all-reduce failed (a peer is gone, or did not
+    answer within the group's timeout): the group cannot step again."""
 
     step: int
     error: str
+    group_lost: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 One job is in flight at a time. If the process dies, the in-flight job is reported lost (its
 samples go back to the pool) and a new process starts from the last published adapter and
-optimizer state; inference never waits on any of this.
+optimizer state (not for a data-parallel replica, whose peers' group a new process cannot
+join: its co-server stops training); inference never waits on any of this.
 """
 
 from __future__ import annotations
@@ -91,9 +92,13 @@ class BackwardProcess:
         events = self._read(timeout_s)
         if self.in_flight is not None and not self.process.is_alive():
             events.append(self._lost())
-            self.restarts += 1
             self.parked.value = 1
-            self._start()
+            # a data-parallel replica's new process could not join its peers' group (its
+            # members are fixed when it forms: a newcomer would wait out the rendezvous, or
+            # pair its start-up broadcast with their all-reduce): none is started
+            if not self.spec.data_parallel.distributed:
+                self.restarts += 1
+                self._start()
         return events
 
     def _read(self, timeout_s: float) -> list[BackwardEvent]:

@@ -25,7 +25,12 @@ import torch
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.llama import BaseWeights, LlamaModel
 from deltaserve.model.lora import AdapterWeights, LoRAConfig
-from deltaserve.train.backward.allreduce import GradientAllReduce, ReducedGradient, join_group
+from deltaserve.train.backward.allreduce import (
+    GradientAllReduce,
+    GroupLost,
+    ReducedGradient,
+    join_group,
+)
 from deltaserve.train.backward.evaluate import validation_loss
 from deltaserve.train.backward.grant import Grant
 from deltaserve.train.backward.messages import (
@@ -191,11 +196,12 @@ class _Worker:
                 done = run_job(self.model, self.trainable, self.opt, self.spec, self.shared,
                                job, self.wait_grant, self.on_layer,
                                self.allreduce if self.group is not None else None)
-        except Exception:
+        except Exception as e:
             self.parked.value = 1
             if isinstance(job, BackwardJob):  # validation changes nothing to undo
                 self.recover(job.step)
-            self.results.put(BackwardFailed(job.step, traceback.format_exc()))
+            self.results.put(BackwardFailed(job.step, traceback.format_exc(),
+                                            group_lost=isinstance(e, GroupLost)))
             return
         self.parked.value = 1
         self.results.put(done)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from deltaserve.bench.router import DEFAULT_ROUTER, check_router
 from deltaserve.core.errors import InputError, require
 from deltaserve.hosts.config import HostConfig
 from deltaserve.hosts.registry import HOSTS, check_host_device
@@ -49,8 +50,10 @@ class BenchConfig:
 
     ``replicas``: every system runs as this many data-parallel replicas of the host (the
     native host only), each on ``threads // replicas`` threads with its own engine and
-    co-server, their requests split round-robin and their backward processes one
-    ``torch.distributed`` group training one adapter (:mod:`deltaserve.bench.replicas`)."""
+    co-server, their requests split by ``router`` (:data:`deltaserve.bench.router.ROUTERS`:
+    ``round-robin``, or ``least-loaded``, the replica with the fewest requests in flight) and
+    their backward processes one ``torch.distributed`` group training one adapter
+    (:mod:`deltaserve.bench.replicas`)."""
 
     trace: str = "burst-light"
     systems: str = DEFAULT_SYSTEMS
@@ -65,6 +68,7 @@ class BenchConfig:
     seed: int = 0
     host: str = "native"
     replicas: int = 1
+    router: str = DEFAULT_ROUTER
     # the engine's seed is the bench's --seed
     engine: HostConfig = field(default_factory=HostConfig,
                                metadata={"prefix": "", "skip": ("seed",)})
@@ -109,6 +113,7 @@ class BenchConfig:
         require(self.replicas == 1 or self.host == "native", "replicas", self.replicas,
                 f"replicas run on the native host only (not --host {self.host}; the simulated "
                 "host has its own: bench --host sim --replicas)")
+        check_router(self.router)
         check_host_device(self.host, self.engine)
         require(self.duration_s is None or self.duration_s > 0, "duration", self.duration_s,
                 "must be > 0")

@@ -10,13 +10,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
+from deltaserve.bench.router import NoLiveReplica, RoundRobin, Router
 from deltaserve.core.contract import StepRecord
+from deltaserve.core.errors import require
 from deltaserve.core.requests import RequestOutput, SamplingParams
 from deltaserve.hosts.base import BaseHost
 from deltaserve.workloads.trace import Trace
@@ -117,57 +119,89 @@ def replay(host: BaseHost, trace: Trace, prompts: PromptSource, *, label: str = 
                         min_wall_s=min_wall_s, progress=progress)[0]
 
 
-ROUTER = "round-robin"  # how replay_fleet routes requests (results.json names it)
+class ReplicaFailed(RuntimeError):
+    """A replica's loop raised during a fleet replay (its error is the cause). The router sent
+    the later requests to the live replicas and the replay ran to its end: ``results`` are
+    every replica's, as :func:`replay_fleet` returns them, the failed one's unfinished requests
+    included. Raised so that a failed replica never passes for an idle one."""
+
+    def __init__(self, replica: int, results: list[ReplayResult]):
+        super().__init__(f"replica {replica}'s loop failed; its later requests went to the "
+                         f"live replicas")
+        self.replica = replica
+        self.results = results
 
 
-def round_robin(index: int, num_hosts: int) -> int:
-    """The router: request ``index`` of the trace goes to host ``index mod num_hosts`` (equal
-    shares of every stretch of the trace, whatever its lengths)."""
-    return index % num_hosts
+def _unfinished(hosts: Sequence[BaseHost], router: Router) -> bool:
+    """A live replica still has requests to finish (a failed one never will)."""
+    return any(h.has_unfinished() for r, h in enumerate(hosts) if router.is_live(r))
 
 
-def _unfinished(hosts: Sequence[BaseHost]) -> bool:
-    return any(h.has_unfinished() for h in hosts)
-
-
-def _loop(host: BaseHost, stop: threading.Event, threads: int,
-          errors: list[BaseException]) -> None:
-    """A replica's loop on a thread of its own. OpenMP keeps its thread count per thread (a
-    new one starts from the default, every core), so the caller's is applied here first. A
-    loop that raises stops the replay (the caller raises it)."""
+def _loop(replica: int, host: BaseHost, stop: threading.Event, threads: int, router: Router,
+          errors: list[tuple[int, BaseException]]) -> None:
+    """A replica's loop. OpenMP keeps its thread count per thread (a new one starts from the
+    default, every core), so the caller's is applied here first. A loop that raises is marked
+    down in the router, which routes around it; the others go on (the caller raises the
+    error after the replay), and the replay stops once no replica is live, or at once on an
+    interrupt (a ``BaseException`` that is no ``Exception``)."""
     try:
         torch.set_num_threads(threads)
         host.run_loop(stop)
     except BaseException as e:  # re-raised on the caller's thread
-        errors.append(e)
-        stop.set()
+        errors.append((replica, e))
+        router.mark_down(replica)
+        if not isinstance(e, Exception) or not router.any_live:
+            stop.set()
 
 
-def _send(hosts: Sequence[BaseHost], records: list[RequestRecord], trace: Trace,
-          prompts: PromptSource, start: float, bar: tqdm) -> None:
-    """Send every request at its scheduled time to the host the router names."""
+def _counted(rec: RequestRecord, router: Router, replica: int) -> Callable[[RequestOutput], None]:
+    """``rec``'s token callback, telling the router once when the request finishes."""
+    def on_token(out: RequestOutput) -> None:
+        was_finished = rec.finished
+        rec.on_token(out)
+        if out.finished and not was_finished:
+            router.finished(replica)
+    return on_token
+
+
+def _send(hosts: Sequence[BaseHost], router: Router, records: list[RequestRecord],
+          assigned: dict[int, int], trace: Trace, prompts: PromptSource, start: float,
+          bar: tqdm) -> None:
+    """Send every request at its scheduled time to the replica the router names (and note
+    it in ``assigned``), until no replica is live."""
     for rec, req in zip(records, trace.requests, strict=True):
         rec.scheduled_s = start + req.arrival_s
         delay = rec.scheduled_s - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        host = hosts[round_robin(rec.index, len(hosts))]
-        host.add_request(prompts.prompt(rec.index, rec.prompt_tokens),
-                         SamplingParams(max_tokens=rec.output_tokens, ignore_eos=True),
-                         callback=rec.on_token)
+        try:
+            replica = router.route(rec.index)
+        except NoLiveReplica:
+            return  # every replica failed: the rest of the trace has nowhere to go
+        assigned[rec.index] = replica
+        hosts[replica].add_request(prompts.prompt(rec.index, rec.prompt_tokens),
+                                   SamplingParams(max_tokens=rec.output_tokens,
+                                                  ignore_eos=True),
+                                   callback=_counted(rec, router, replica))
         bar.update(1)
 
 
 def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource, *,
-                 label: str = "replay", drain_timeout_s: float = 300.0, min_wall_s: float = 0.0,
+                 router: Router | None = None, label: str = "replay",
+                 drain_timeout_s: float = 300.0, min_wall_s: float = 0.0,
                  progress: bool = True) -> list[ReplayResult]:
     """:func:`replay` against replicas: one client sends the trace, each request to the host
-    :func:`round_robin` names, and every host's loop runs until the window closes (the first
-    in the calling thread, the others each in a thread of its own, on the caller's torch
-    thread count). One result per host, with its own requests and steps and the fleet's
-    common start and end."""
+    ``router`` names (round-robin by default), and every host's loop runs until the window
+    closes (the first in the calling thread, the others each in a thread of its own, on the
+    caller's torch thread count). One result per host, with its own requests and steps and
+    the fleet's common start and end. A replica whose loop raises is routed around and the
+    replay goes on; :class:`ReplicaFailed` is raised at its end, with the results."""
+    router = router or RoundRobin(len(hosts))
+    require(router.num_replicas == len(hosts), "router", router.num_replicas,
+            f"routes over a different number of replicas than the {len(hosts)} hosts")
     records = [RequestRecord(i, 0.0, r.prompt_tokens, r.output_tokens)
                for i, r in enumerate(trace.requests)]
+    assigned: dict[int, int] = {}
     steps: list[list[StepRecord]] = [[] for _ in hosts]
     for host, host_steps in zip(hosts, steps, strict=True):
         host.subscribe_steps(host_steps.append)
@@ -179,12 +213,12 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
 
     def client() -> None:
         try:
-            _send(hosts, records, trace, prompts, start, bar)
+            _send(hosts, router, records, assigned, trace, prompts, start, bar)
             deadline = time.monotonic() + drain_timeout_s
-            while _unfinished(hosts) and time.monotonic() < deadline:
+            while _unfinished(hosts, router) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            outcome["timed_out"] = _unfinished(hosts)
-            while time.monotonic() < start + min_wall_s:
+            outcome["timed_out"] = _unfinished(hosts, router)
+            while time.monotonic() < start + min_wall_s and router.any_live:
                 time.sleep(0.02)
         finally:
             outcome["end"] = time.monotonic()
@@ -192,15 +226,16 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
 
     sender = threading.Thread(target=client, name="replay-client", daemon=True)
     threads = torch.get_num_threads()  # the calling thread's: what the hosts were built with
-    errors: list[BaseException] = []
-    loops = [threading.Thread(target=_loop, args=(h, stop, threads, errors),
+    errors: list[tuple[int, BaseException]] = []
+    loops = [threading.Thread(target=_loop, args=(r, h, stop, threads, router, errors),
                               name=f"replica-{r}", daemon=True)
              for r, h in enumerate(hosts) if r > 0]
     sender.start()
     for t in loops:
         t.start()
     try:
-        hosts[0].run_loop(stop)
+        _loop(0, hosts[0], stop, threads, router, errors)
+        stop.wait()  # a failed host 0 leaves the others serving until the replay ends
     finally:
         stop.set()
         sender.join()
@@ -209,10 +244,13 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
         bar.close()
         for host, host_steps in zip(hosts, steps, strict=True):
             host.unsubscribe_steps(host_steps.append)
+    results = [ReplayResult([rec for rec in records if assigned.get(rec.index) == r], start,
+                            float(outcome["end"]), trace.duration_s, steps[r],
+                            bool(outcome.get("timed_out", True)))
+               for r in range(len(hosts))]
     if errors:
-        raise errors[0]
-    n = len(hosts)
-    return [ReplayResult([rec for rec in records if round_robin(rec.index, n) == r], start,
-                         float(outcome["end"]), trace.duration_s, steps[r],
-                         bool(outcome.get("timed_out", True)))
-            for r in range(n)]
+        replica, error = errors[0]
+        if not isinstance(error, Exception):
+            raise error  # an interrupt, not a replica's failure
+        raise ReplicaFailed(replica, results) from error
+    return results

@@ -8,9 +8,12 @@ joins one gloo group of the N backward processes (rendezvous on a free local por
 :class:`~deltaserve.core.shard.DataShard` of every epoch and all-reduces every optimizer step's
 gradient, so the replicas train one adapter (:mod:`deltaserve.train.group_steps` keeps their
 steps in lock-step). The replicas attach, and detach, concurrently: the group forms, and lets
-its members go, only with all of them. One client replays the trace, routing request i to
-replica ``i mod N`` (:func:`~deltaserve.bench.replay.round_robin`); every replica's loop runs
-until the window closes. inference-only runs the same replicas without training.
+its members go, only with all of them. One client replays the trace, routing each request by
+``--router`` (:mod:`deltaserve.bench.router`: request i to replica ``i mod N``, or to the one
+with the fewest requests in flight); every replica's loop runs until the window closes. A
+replica whose loop fails is routed around until the window closes, and the run then fails
+(:class:`~deltaserve.bench.replay.ReplicaFailed`): a failed replica is never scored as an idle
+one. inference-only runs the same replicas without training.
 
 Scoring: the run's ``result`` and ``commits`` are the fleet's (every replica's requests, steps
 and commits), so every system is scored as a whole by the bench's usual path (the pilot's idle
@@ -18,8 +21,8 @@ capacity counts each step on its replica's cores); :mod:`deltaserve.bench.fleet_
 each replica's FT tokens/s and SLO attainment and the all-reduce time per step.
 
 Assumed: one process holds every replica (the engines' steps run concurrently in threads, the
-GIL held only between kernels), the machine's threads split evenly, a round-robin router (no
-load balancing), and no replica failure (a lost member is outside this bench).
+GIL held only between kernels), the machine's threads split evenly, and no replica failure in
+a scored run (a failed one fails the run).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_kind
 from deltaserve.bench.outcome import Commit, HardwareShare, ReplicaRun, SystemRun
 from deltaserve.bench.prepare import make_host
 from deltaserve.bench.replay import ReplayResult, replay_fleet
+from deltaserve.bench.router import create_router
 from deltaserve.bench.systems import SystemSpec
 from deltaserve.core.errors import require
 from deltaserve.core.slo import SLOConfig
@@ -166,7 +170,8 @@ def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
             assert slo is not None, "a co-serving system needs a SLO"
             cos = _attach(hosts, inputs, spec, slo, root, per)
         recorded = [_record(co) for co in cos] or [([], []) for _ in hosts]
-        results = replay_fleet(hosts, inputs.trace, inputs.data.prompts, label=label,
+        results = replay_fleet(hosts, inputs.trace, inputs.data.prompts,
+                               router=create_router(cfg.router, len(hosts)), label=label,
                                min_wall_s=cfg.window_s(inputs.trace.duration_s),
                                progress=cfg.progress)
         for co in cos:  # a run whose backward lost every step is an error, not 0 tokens/s

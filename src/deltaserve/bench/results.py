@@ -14,7 +14,6 @@ from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.fleet_score import FleetScore
 from deltaserve.bench.prepare import FittedTrace
 from deltaserve.bench.provenance import Provenance
-from deltaserve.bench.replay import ROUTER
 from deltaserve.bench.score import (
     Binding,
     Comparison,
@@ -116,7 +115,7 @@ class BenchResults:
         assert self.replicas is not None
         n = self.config.replicas
         return {"count": n, "threads_per_replica": max(1, self.machine.threads // n),
-                "router": ROUTER, "repeat": 1,
+                "router": self.config.router, "repeat": 1,
                 "systems": {name: f.as_json() for name, f in self.replicas.items()}}
 
     def _doc(self) -> dict:

@@ -13,6 +13,7 @@ from deltaserve.bench.latency_holdout import (
     errors_by_mode,
     kind_of,
     pooled_kind_errors,
+    step_predictions,
 )
 from deltaserve.core import StepShape
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig, fit_from
@@ -69,6 +70,21 @@ def test_every_kth_step_is_predicted_by_a_model_that_never_learns_from_it(saved)
     # the online error is over the learned steps only: the reference's own
     assert [(e.mode, e.num_steps, e.mape) for e in model.online_error()] == [
         (e.mode, e.num_steps, pytest.approx(e.mape)) for e in reference.online_error()]
+
+
+def test_every_steps_prediction_is_kept_by_the_shape_and_seconds_the_host_logs(saved):
+    model = HoldoutLatencyModel.load(saved)
+    model.every = 3
+    reference = HoldoutLatencyModel.load(saved)
+    reference.every = 3
+    want = {}
+    for shape, seconds in served_steps(30):
+        want[shape, seconds] = reference.observe(shape, seconds)  # held out or online alike
+        model.observe(shape, seconds)
+    got = step_predictions(model)
+    assert got.keys() == want.keys() and len(got) == 30
+    assert all(got[k] == pytest.approx(v) for k, v in want.items())
+    assert step_predictions(LatencyModel.load(saved)) == {}  # a model that keeps none
 
 
 def test_errors_by_mode_pairs_online_and_held_out_and_filters_short_steps(saved):

@@ -7,7 +7,12 @@ from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.coserve_config import BenchTraining, coserve_config, system_grant
-from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_kind, errors_by_mode
+from deltaserve.bench.latency_holdout import (
+    HoldoutLatencyModel,
+    errors_by_kind,
+    errors_by_mode,
+    step_predictions,
+)
 from deltaserve.bench.outcome import Commit, HardwareShare, SystemRun
 from deltaserve.bench.prepare import BenchData, make_host
 from deltaserve.bench.replay import PromptSource, replay
@@ -152,7 +157,8 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
             trainer = None
         min_s = cfg.latency_error_min_ms / 1e3
         run = SystemRun(spec, result, commits, errors_by_mode(lm, min_s), share, slo_scale,
-                        latency_kinds=errors_by_kind(lm, min_s))
+                        latency_kinds=errors_by_kind(lm, min_s),
+                        step_predictions=step_predictions(lm))
         if spec.coserve:
             host.detach(drain=False, checkpoint=True)
             latest = find_latest(root)

@@ -54,6 +54,9 @@ class HoldoutLatencyModel(LatencyModel):
         # never ages out, so over a run longer than the ring it covers more steps than the
         # per-mode MAPE does
         self._online_by_kind: dict[tuple[StepKind, ExecMode], list[tuple[float, float]]] = {}
+        # every step's prediction, held out or not, by the (shape, seconds) the host also logs
+        # it with: a late request's steps are then set beside what the model expected of them
+        self._predicted: dict[tuple[StepShape, float], float] = {}
 
     def observe(self, shape: StepShape, seconds: float) -> float | None:
         self._observed += 1
@@ -61,12 +64,18 @@ class HoldoutLatencyModel(LatencyModel):
             predicted = self.predict(shape)
             if math.isfinite(predicted) and seconds > 0:
                 self._heldout.setdefault(shape.mode, []).append((predicted, seconds))
+                self._predicted[shape, seconds] = predicted
             return predicted
         predicted = super().observe(shape, seconds)
         if predicted is not None and math.isfinite(predicted) and seconds > 0:
             key = (kind_of(shape), shape.mode)
             self._online_by_kind.setdefault(key, []).append((predicted, seconds))
+            self._predicted[shape, seconds] = predicted
         return predicted
+
+    def step_predictions(self) -> dict[tuple[StepShape, float], float]:
+        """Each step's prediction just before the model saw it, by (shape, seconds)."""
+        return dict(self._predicted)
 
     def online_error_by_kind(self, min_seconds: float = 0.0) -> tuple[KindError, ...]:
         """The online steps of at least ``min_seconds``, per (kind, mode), in kind order."""
@@ -127,6 +136,11 @@ def errors_by_kind(model: LatencyModel | None, min_seconds: float) -> tuple[Kind
     if not isinstance(model, HoldoutLatencyModel):
         return ()
     return model.online_error_by_kind(min_seconds)
+
+
+def step_predictions(model: LatencyModel | None) -> dict[tuple[StepShape, float], float]:
+    """The steps' predictions (empty for a model that keeps none)."""
+    return model.step_predictions() if isinstance(model, HoldoutLatencyModel) else {}
 
 
 def pooled_kind_errors(per_run: Sequence[tuple[KindError, ...]]) -> tuple[KindError, ...]:

@@ -7,12 +7,13 @@ A host that replays a trace its own way (the simulated host) builds these from i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deltaserve.bench.latency_holdout import KindError, ModeError
 from deltaserve.bench.metrics import in_window
 from deltaserve.bench.replay import ReplayResult
 from deltaserve.bench.systems import SystemSpec
+from deltaserve.core.shape import StepShape
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ class HardwareShare:
 class SystemRun:
     """``slo_scale``: the SLO scale it ran under (None for a system that ignores the SLO).
     ``latency``: the latency model's error per execution mode, online and held out;
-    ``latency_kinds``: its online error split by step kind (empty where none is kept)."""
+    ``latency_kinds``: its online error split by step kind (empty where none is kept);
+    ``step_predictions``: what the latency model predicted for each step, by (shape, seconds)
+    (empty where none is kept)."""
 
     spec: SystemSpec
     result: ReplayResult
@@ -52,6 +55,7 @@ class SystemRun:
     adapter_dir: str | None = None
     train_log: str | None = None
     latency_kinds: tuple[KindError, ...] = ()
+    step_predictions: dict[tuple[StepShape, float], float] = field(default_factory=dict)
 
     def window_commits(self, window_s: float | None = None) -> list[Commit]:
         """The commits that landed in the window of ``window_s`` seconds from the replay's

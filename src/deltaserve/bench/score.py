@@ -137,7 +137,8 @@ def score_run(run: SystemRun, slo: SLOConfig, base: HarvestBase) -> SystemScore:
     account = M.harvest(tokens, base.idle, base.tokens_per_core_s, run.share.reserved, window)
     metrics = M.compute(r.records, slo, window, tokens, sum(c.num_samples for c in commits),
                         pooled_online_mape(run.latency), account.ratio)
-    misses = miss_sources(r.records, r.steps, slo, [not M.meets_slo(x, slo) for x in r.records])
+    misses = miss_sources(r.records, r.steps, slo, [not M.meets_slo(x, slo) for x in r.records],
+                          run.step_predictions)
     return SystemScore(run.spec.name, run.spec.pair, run.slo_scale, metrics, account,
                        run.latency, run.share, tokens / padded if padded else None,
                        misses, r.drained_s, latency_kinds=run.latency_kinds)

@@ -18,12 +18,13 @@ MAPE says how far off the model is; the split says on which steps, which is wher
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
 import numpy as np
 
+from deltaserve.core.contract import StepRecord
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig, OnlineError
 from deltaserve.core.shape import ExecMode, StepShape
 
@@ -136,6 +137,28 @@ def errors_by_kind(model: LatencyModel | None, min_seconds: float) -> tuple[Kind
     if not isinstance(model, HoldoutLatencyModel):
         return ()
     return model.online_error_by_kind(min_seconds)
+
+
+def errors_by_yield(steps: Sequence[StepRecord],
+                    predictions: Mapping[tuple[StepShape, float], float],
+                    min_seconds: float) -> tuple[KindError, ...]:
+    """The error of every step the model predicted, by kind and by whether the host lent the
+    backward time just before it (``kind`` reads e.g. ``decode after a yield``): a step that
+    runs slower right after the backward computed is a bias no shape term can learn."""
+    groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for s in steps:
+        predicted = predictions.get((s.shape, s.seconds))
+        if predicted is None or s.seconds < min_seconds or predicted <= 0:
+            continue
+        where = "after a yield" if s.yielded_s > 0 else "no yield"
+        key = (f"{kind_of(s.shape).value} {where}", s.shape.mode.value)
+        groups.setdefault(key, []).append((predicted, s.seconds))
+    out = []
+    for (kind, mode), rows in sorted(groups.items()):
+        d = np.array(rows)
+        mape = float(np.mean(np.abs(d[:, 0] - d[:, 1]) / d[:, 1]))
+        out.append(KindError(kind, mode, len(d), mape, float(np.mean(d[:, 1] / d[:, 0]) - 1.0)))
+    return tuple(out)
 
 
 def step_predictions(model: LatencyModel | None) -> dict[tuple[StepShape, float], float]:

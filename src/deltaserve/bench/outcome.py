@@ -44,7 +44,8 @@ class SystemRun:
     ``latency``: the latency model's error per execution mode, online and held out;
     ``latency_kinds``: its online error split by step kind (empty where none is kept);
     ``step_predictions``: what the latency model predicted for each step, by (shape, seconds)
-    (empty where none is kept)."""
+    (empty where none is kept); ``latency_yields``: the error split by kind and by whether a
+    yield preceded the step."""
 
     spec: SystemSpec
     result: ReplayResult
@@ -56,6 +57,7 @@ class SystemRun:
     train_log: str | None = None
     latency_kinds: tuple[KindError, ...] = ()
     step_predictions: dict[tuple[StepShape, float], float] = field(default_factory=dict)
+    latency_yields: tuple[KindError, ...] = ()
 
     def window_commits(self, window_s: float | None = None) -> list[Commit]:
         """The commits that landed in the window of ``window_s`` seconds from the replay's

@@ -20,26 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 
 import numpy as np
 
 from deltaserve.core.contract import StepRecord
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig, OnlineError
-from deltaserve.core.shape import ExecMode, StepShape
-
-
-class StepKind(StrEnum):
-    DECODE = "decode"  # Equation II: decode tokens only
-    PREFILL = "prefill"  # Equation I with inference rows only
-    MIXED_FT = "mixed+ft"  # Equation I: inference rows beside fine-tuning rows
-    FT_ONLY = "ft-only"  # Equation I: fine-tuning rows alone (an idle engine's training step)
-
-
-def kind_of(shape: StepShape) -> StepKind:
-    if not shape.ft_lens:
-        return StepKind.DECODE if shape.is_decode_only else StepKind.PREFILL
-    return StepKind.MIXED_FT if shape.num_prefill_tokens + shape.num_decode else StepKind.FT_ONLY
+from deltaserve.core.shape import ExecMode, StepKind, StepShape, kind_of
 
 
 class HoldoutLatencyModel(LatencyModel):

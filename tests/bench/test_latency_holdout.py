@@ -11,10 +11,13 @@ from deltaserve.bench.latency_holdout import (
     StepKind,
     errors_by_kind,
     errors_by_mode,
+    errors_by_yield,
     kind_of,
     pooled_kind_errors,
+    step_predictions,
 )
 from deltaserve.core import StepShape
+from deltaserve.core.contract import StepRecord
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig, fit_from
 from deltaserve.core.shape import ExecMode
 from tests.core.test_admission import SHAPES, exact
@@ -69,6 +72,40 @@ def test_every_kth_step_is_predicted_by_a_model_that_never_learns_from_it(saved)
     # the online error is over the learned steps only: the reference's own
     assert [(e.mode, e.num_steps, e.mape) for e in model.online_error()] == [
         (e.mode, e.num_steps, pytest.approx(e.mape)) for e in reference.online_error()]
+
+
+def test_every_steps_prediction_is_kept_by_the_shape_and_seconds_the_host_logs(saved):
+    model = HoldoutLatencyModel.load(saved)
+    model.every = 3
+    reference = HoldoutLatencyModel.load(saved)
+    reference.every = 3
+    want = {}
+    for shape, seconds in served_steps(30):
+        want[shape, seconds] = reference.observe(shape, seconds)  # held out or online alike
+        model.observe(shape, seconds)
+    got = step_predictions(model)
+    assert got.keys() == want.keys() and len(got) == 30
+    assert all(got[k] == pytest.approx(v) for k, v in want.items())
+    assert step_predictions(LatencyModel.load(saved)) == {}  # a model that keeps none
+
+
+def test_the_error_splits_by_whether_a_yield_preceded_the_step():
+    dec, pre = StepShape(num_decode=4, kv_tokens=64), StepShape((32,), kv_tokens=0)
+    steps = [StepRecord(1.0, dec, 0.10, 0, False), StepRecord(2.0, dec, 0.13, 0, False, 0.2),
+             StepRecord(3.0, dec, 0.15, 0, False, 0.1), StepRecord(4.0, pre, 0.30, 0, False),
+             StepRecord(5.0, pre, 0.01, 0, False),  # shorter than the filter
+             StepRecord(6.0, dec, 0.12, 0, False)]  # never predicted: left out
+    predicted = {(dec, 0.10): 0.10, (dec, 0.13): 0.10, (dec, 0.15): 0.10, (pre, 0.30): 0.25,
+                 (pre, 0.01): 0.01}
+    got = {(e.kind, e.mode): e for e in errors_by_yield(steps, predicted, 0.02)}
+    assert set(got) == {("decode no yield", "eager"), ("decode after a yield", "eager"),
+                        ("prefill no yield", "eager")}
+    after = got["decode after a yield", "eager"]
+    # actual ÷ predicted 1.3 and 1.5: bias +40 %; |error| ÷ actual 0.03/0.13 and 0.05/0.15
+    assert after.steps == 2 and after.bias == pytest.approx(0.4)
+    assert after.mape == pytest.approx((0.03 / 0.13 + 0.05 / 0.15) / 2)
+    assert got["decode no yield", "eager"].bias == pytest.approx(0.0)
+    assert got["prefill no yield", "eager"].bias == pytest.approx(0.2)
 
 
 def test_errors_by_mode_pairs_online_and_held_out_and_filters_short_steps(saved):

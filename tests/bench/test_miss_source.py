@@ -47,12 +47,30 @@ def test_each_late_event_says_what_its_span_held():
     assert set(events) == {(0, "ttft"), (1, "tpot"), (2, "ttft"), (5, "ttft"), (5, "tpot")}
     # request 0 waited 2.05 s: the steps ending at 1 and 2 (0.5 s each, 0.3 s lent before the
     # second), and 0.75 s of neither
-    assert events[0, "ttft"] == LateEvent(0, "ttft", 1050.0, 2.05, 2, 1.0, 0.3, 0, 0.75)
+    assert events[0, "ttft"] == LateEvent(0, "ttft", 1050.0, 2.05, 2, 1.0, 0.3, 0, 0.75,
+                                          longest="1 decode")
     # request 1's gap from 3 to 4 s: the step ending at 4 and the 0.2 s lent before it
-    assert events[1, "tpot"] == LateEvent(1, "tpot", 500.0, 1.0, 1, 0.5, 0.2, 0, 0.3)
+    assert events[1, "tpot"] == LateEvent(1, "tpot", 500.0, 1.0, 1, 0.5, 0.2, 0, 0.3,
+                                          longest="1 decode")
     # request 2 arrived at 0.5 s, inside the step ending at 1: only its part after counts
     e = events[2, "ttft"]
     assert (e.steps, e.step_s, e.yielded_s) == (3, pytest.approx(1.5), pytest.approx(0.3))
+
+
+def test_a_late_event_sets_its_steps_beside_what_the_model_predicted_for_them():
+    big = StepShape((384, 128), num_decode=7, ft_lens=(64,))
+    steps = [step(1.0), StepRecord(2.0, big, 0.9, 64, False, 0.3),
+             StepRecord(3.0, StepShape(num_decode=1), 0.45, 0, False)]
+    predicted = {(STEPS[0].shape, 0.5): 0.4, (big, 0.9): 0.6}
+    events = {(e.request, e.event): e
+              for e in miss_sources(RECORDS, steps, SLO, MISSED, predicted).events}
+    # request 0's span held the steps ending at 1 and 2: 0.4 + 0.6 s predicted, the second the
+    # longer (0.9 s), with what it carried
+    assert events[0, "ttft"].predicted_s == pytest.approx(1.0)
+    assert events[0, "ttft"].longest == "prefill 512 (2) + 7 decodes + ft 64"
+    # a step the model never predicted (the one ending at 3 has no entry): unknown, not 0
+    assert events[2, "ttft"].predicted_s is None
+    assert miss_sources(RECORDS, steps, SLO, MISSED).events[0].predicted_s is None
 
 
 def test_repeats_add_up_their_misses_and_keep_each_events_repeat():

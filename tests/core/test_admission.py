@@ -144,6 +144,16 @@ def test_phase_separated_host():
              waiting=queued)
     assert sched.budget(v).tpot_slack_s == pytest.approx(0.1 - 0.005 - exact(deferred)
                                                          - 700 * rate)
+    # every step the deferred decode still waits through may end late: one prefill step of
+    # at most 2048 tokens for 700 queued tokens, and the decode step, each keep the lateness back
+    late_s = 0.002
+    assert sched.budget(v, late_s_per_step=late_s).tpot_slack_s == pytest.approx(
+        0.1 - 0.005 - exact(deferred) - 700 * rate - 1 * late_s - 1 * late_s)
+    many = (*queued, WaitingRequest(99.99, 5000))
+    v = view(StepShape((50,)), oldest_decode_token_s=99.995, deferred_decode=deferred,
+             waiting=many)
+    assert sched.budget(v, late_s_per_step=late_s).tpot_slack_s == pytest.approx(
+        0.1 - 0.005 - exact(deferred) - 5000 * rate - 3 * late_s - 1 * late_s)
 
 
 @pytest.mark.parametrize("setup,skip", [

@@ -15,6 +15,7 @@ from deltaserve.core import (
     build_plan,
 )
 from deltaserve.core.latency_model import fit_from
+from deltaserve.core.shape import StepKind
 
 # ζ: inference rows cost more beside training rows (an engine's LoRA over the whole batch)
 EAGER_I = dict(alpha=2e-8, beta=2e-4, gamma=2.6e-4, epsilon=1e-6, c=5e-3, zeta=1.2e-4)
@@ -249,3 +250,50 @@ def test_config_validation(kwargs, field):
     with pytest.raises(InputError) as e:
         LatencyModelConfig(**kwargs)
     assert e.value.field == field
+
+
+def _slowed_decode_steps(model, rng, factor, n):
+    for s in random_shapes(rng, n):
+        if s.is_decode_only:
+            model.observe(s, factor * true_time(s))
+
+
+def test_level_learns_a_slowdown_of_one_kind_only(fitted):
+    """Decode steps served 1.25x slower than the calibration probes: within tens of steps the
+    decode prediction is 1.25x the truth, while the prefill kind keeps its level of 1."""
+    rng = np.random.default_rng(13)
+    _slowed_decode_steps(fitted, rng, 1.25, 300)  # ~100 decode steps
+    assert fitted.level(StepKind.DECODE, ExecMode.EAGER) > 1.05
+    assert fitted.level(StepKind.PREFILL, ExecMode.EAGER) == 1.0
+    probe = [s for s in random_shapes(rng, 200) if s.is_decode_only]
+    ratio = [fitted.predict(s) / true_time(s) for s in probe]
+    assert np.mean(ratio) == pytest.approx(1.25, rel=0.03)
+    prefill = StepShape((300, 40), num_decode=6, kv_tokens=2000)
+    assert fitted.predict(prefill) == pytest.approx(true_time(prefill), rel=0.02)
+
+
+def test_level_rate_zero_predicts_the_fit_alone():
+    """With no level, a prediction is the closed form of the fitted coefficients."""
+    rng = np.random.default_rng(17)
+    cfg = LatencyModelConfig(level_rate=0.0)
+    m = fit_from(observations(rng, random_shapes(rng, 300)), cfg)
+    _slowed_decode_steps(m, rng, 1.25, 300)
+    assert m.level(StepKind.DECODE, ExecMode.EAGER) == 1.0
+    k = m.coefficients(Equation.DECODE, ExecMode.EAGER)
+    s = StepShape(num_decode=12, kv_tokens=5000)
+    want = k["beta"] * 12 + k["epsilon"] * 5000 + k["c"]
+    assert m.predict(s) == pytest.approx(want, rel=1e-9)
+
+
+def test_ft_pricer_carries_the_mixed_ft_level(fitted):
+    """A pricer prices a sample at the level its step will be served at (mixed+ft), so it still
+    equals predict_upper once the levels have moved apart."""
+    rng = np.random.default_rng(19)
+    base = PRICER_BASES[0]
+    for s in random_shapes(rng, 300):
+        if s.ft_lens and not s.is_decode_only:
+            fitted.observe(s, 1.4 * true_time(s))
+    assert fitted.level(StepKind.MIXED_FT, ExecMode.EAGER) > 1.1
+    want = fitted.predict_upper(base.with_ft((100, 50)))
+    assert fitted.ft_pricer(base).upper_s(100 * 100 + 50 * 50, 150) == pytest.approx(want,
+                                                                                     rel=1e-12)

@@ -7,7 +7,13 @@ from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.coserve_config import BenchTraining, coserve_config, system_grant
-from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_kind, errors_by_mode
+from deltaserve.bench.latency_holdout import (
+    HoldoutLatencyModel,
+    errors_by_kind,
+    errors_by_mode,
+    errors_by_yield,
+    step_predictions,
+)
 from deltaserve.bench.outcome import Commit, HardwareShare, SystemRun
 from deltaserve.bench.prepare import BenchData, make_host
 from deltaserve.bench.replay import PromptSource, replay
@@ -151,8 +157,11 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
                        for s in trainer.stop()]
             trainer = None
         min_s = cfg.latency_error_min_ms / 1e3
+        predicted = step_predictions(lm)
         run = SystemRun(spec, result, commits, errors_by_mode(lm, min_s), share, slo_scale,
-                        latency_kinds=errors_by_kind(lm, min_s))
+                        latency_kinds=errors_by_kind(lm, min_s),
+                        step_predictions=predicted,
+                        latency_yields=errors_by_yield(result.steps, predicted, min_s))
         if spec.coserve:
             host.detach(drain=False, checkpoint=True)
             latest = find_latest(root)

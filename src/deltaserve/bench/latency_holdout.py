@@ -18,27 +18,14 @@ MAPE says how far off the model is; the split says on which steps, which is wher
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 
 import numpy as np
 
+from deltaserve.core.contract import StepRecord
 from deltaserve.core.latency_model import LatencyModel, LatencyModelConfig, OnlineError
-from deltaserve.core.shape import ExecMode, StepShape
-
-
-class StepKind(StrEnum):
-    DECODE = "decode"  # Equation II: decode tokens only
-    PREFILL = "prefill"  # Equation I with inference rows only
-    MIXED_FT = "mixed+ft"  # Equation I: inference rows beside fine-tuning rows
-    FT_ONLY = "ft-only"  # Equation I: fine-tuning rows alone (an idle engine's training step)
-
-
-def kind_of(shape: StepShape) -> StepKind:
-    if not shape.ft_lens:
-        return StepKind.DECODE if shape.is_decode_only else StepKind.PREFILL
-    return StepKind.MIXED_FT if shape.num_prefill_tokens + shape.num_decode else StepKind.FT_ONLY
+from deltaserve.core.shape import ExecMode, StepKind, StepShape, kind_of
 
 
 class HoldoutLatencyModel(LatencyModel):
@@ -54,6 +41,9 @@ class HoldoutLatencyModel(LatencyModel):
         # never ages out, so over a run longer than the ring it covers more steps than the
         # per-mode MAPE does
         self._online_by_kind: dict[tuple[StepKind, ExecMode], list[tuple[float, float]]] = {}
+        # every step's prediction, held out or not, by the (shape, seconds) the host also logs
+        # it with: a late request's steps are then set beside what the model expected of them
+        self._predicted: dict[tuple[StepShape, float], float] = {}
 
     def observe(self, shape: StepShape, seconds: float) -> float | None:
         self._observed += 1
@@ -61,12 +51,18 @@ class HoldoutLatencyModel(LatencyModel):
             predicted = self.predict(shape)
             if math.isfinite(predicted) and seconds > 0:
                 self._heldout.setdefault(shape.mode, []).append((predicted, seconds))
+                self._predicted[shape, seconds] = predicted
             return predicted
         predicted = super().observe(shape, seconds)
         if predicted is not None and math.isfinite(predicted) and seconds > 0:
             key = (kind_of(shape), shape.mode)
             self._online_by_kind.setdefault(key, []).append((predicted, seconds))
+            self._predicted[shape, seconds] = predicted
         return predicted
+
+    def step_predictions(self) -> dict[tuple[StepShape, float], float]:
+        """Each step's prediction just before the model saw it, by (shape, seconds)."""
+        return dict(self._predicted)
 
     def online_error_by_kind(self, min_seconds: float = 0.0) -> tuple[KindError, ...]:
         """The online steps of at least ``min_seconds``, per (kind, mode), in kind order."""
@@ -127,6 +123,33 @@ def errors_by_kind(model: LatencyModel | None, min_seconds: float) -> tuple[Kind
     if not isinstance(model, HoldoutLatencyModel):
         return ()
     return model.online_error_by_kind(min_seconds)
+
+
+def errors_by_yield(steps: Sequence[StepRecord],
+                    predictions: Mapping[tuple[StepShape, float], float],
+                    min_seconds: float) -> tuple[KindError, ...]:
+    """The error of every step the model predicted, by kind and by whether the host lent the
+    backward time just before it (``kind`` reads e.g. ``decode after a yield``): a step that
+    runs slower right after the backward computed is a bias no shape term can learn."""
+    groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for s in steps:
+        predicted = predictions.get((s.shape, s.seconds))
+        if predicted is None or s.seconds < min_seconds or predicted <= 0:
+            continue
+        where = "after a yield" if s.yielded_s > 0 else "no yield"
+        key = (f"{kind_of(s.shape).value} {where}", s.shape.mode.value)
+        groups.setdefault(key, []).append((predicted, s.seconds))
+    out = []
+    for (kind, mode), rows in sorted(groups.items()):
+        d = np.array(rows)
+        mape = float(np.mean(np.abs(d[:, 0] - d[:, 1]) / d[:, 1]))
+        out.append(KindError(kind, mode, len(d), mape, float(np.mean(d[:, 1] / d[:, 0]) - 1.0)))
+    return tuple(out)
+
+
+def step_predictions(model: LatencyModel | None) -> dict[tuple[StepShape, float], float]:
+    """The steps' predictions (empty for a model that keeps none)."""
+    return model.step_predictions() if isinstance(model, HoldoutLatencyModel) else {}
 
 
 def pooled_kind_errors(per_run: Sequence[tuple[KindError, ...]]) -> tuple[KindError, ...]:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from deltaserve.bench.replay import RequestRecord
 from deltaserve.core.contract import StepRecord
+from deltaserve.core.shape import StepShape
 from deltaserve.core.slo import SLOConfig
 
 # steps of one host never overlap; this absorbs the rounding of a step's end less its seconds
@@ -37,7 +38,9 @@ class LateEvent:
     ``steps`` that ended in it and the ``step_s`` of them inside it, ``yielded_s`` lent to the
     backward before those steps, the ``ft_tokens`` they carried, and ``other_s``, the rest
     (the host between steps: the wait for the backward to stop, scheduling, idle time).
-    ``repeat``: the run's index among a system's repeats."""
+    ``repeat``: the run's index among a system's repeats. ``predicted_s``: what the latency
+    model predicted for those steps, just before each ran (None where a step's prediction is
+    unknown); ``longest``: the longest of them, in tokens (what a late step carried)."""
 
     request: int
     event: str
@@ -49,6 +52,8 @@ class LateEvent:
     ft_tokens: int
     other_s: float
     repeat: int = 0
+    predicted_s: float | None = None
+    longest: str = ""
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,21 @@ def _late_spans(rec: RequestRecord, slo: SLOConfig) -> list[tuple[str, float, fl
     return out
 
 
+def describe_shape(shape: StepShape) -> str:
+    """A step's work in tokens, e.g. ``prefill 512 (2) + 7 decodes + ft 256``."""
+    parts = []
+    if shape.prefill_lens:
+        parts.append(f"prefill {shape.num_prefill_tokens} ({len(shape.prefill_lens)})")
+    if shape.num_decode:
+        parts.append(f"{shape.num_decode} decode{'' if shape.num_decode == 1 else 's'}")
+    if shape.ft_lens:
+        parts.append(f"ft {sum(shape.ft_lens)}")
+    return " + ".join(parts) or "empty"
+
+
 def _late_event(request: int, span: tuple[str, float, float, float],
-                ordered: Sequence[StepRecord], ends: list[float]) -> LateEvent:
+                ordered: Sequence[StepRecord], ends: list[float],
+                predicted: Mapping[tuple[StepShape, float], float]) -> LateEvent:
     """What the steps that ended inside ``span`` held (a step that began before the span
     counts the part inside it; its yield, which came before it began, does not count)."""
     event, t0, t1, objective_s = span
@@ -97,10 +115,15 @@ def _late_event(request: int, span: tuple[str, float, float, float],
     step_s = sum(min(s.seconds, s.t_s - t0) for s in inside)
     yielded_s = sum(s.yielded_s for s in inside if s.t_s - s.seconds >= t0)
     span_s = t1 - t0
+    guesses = [predicted.get((s.shape, s.seconds)) for s in inside]
+    predicted_s = (round(sum(g for g in guesses if g is not None), 6)
+                   if inside and None not in guesses else None)
+    longest = describe_shape(max(inside, key=lambda s: s.seconds).shape) if inside else ""
     return LateEvent(request, event, round((span_s - objective_s) * 1e3, 3), round(span_s, 6),
                      len(inside), round(step_s, 6), round(yielded_s, 6),
                      sum(s.ft_tokens for s in inside),
-                     round(max(0.0, span_s - step_s - yielded_s), 6))
+                     round(max(0.0, span_s - step_s - yielded_s), 6),
+                     predicted_s=predicted_s, longest=longest)
 
 
 def _one_timeline(steps: Sequence[StepRecord]) -> bool:
@@ -109,9 +132,12 @@ def _one_timeline(steps: Sequence[StepRecord]) -> bool:
 
 
 def miss_sources(records: Sequence[RequestRecord], steps: Sequence[StepRecord],
-                 slo: SLOConfig, missed: Sequence[bool]) -> MissSources | None:
+                 slo: SLOConfig, missed: Sequence[bool],
+                 predicted: Mapping[tuple[StepShape, float], float] | None = None
+                 ) -> MissSources | None:
     """The missed requests (``missed[i]`` for ``records[i]``, as the metrics judge them) by
-    where their late events fell; None where the steps are not one host's timeline."""
+    where their late events fell; None where the steps are not one host's timeline.
+    ``predicted``: the latency model's prediction of each step, by (shape, seconds)."""
     ordered = sorted(steps, key=lambda s: s.t_s)
     if not _one_timeline(ordered):
         return None
@@ -122,7 +148,7 @@ def miss_sources(records: Sequence[RequestRecord], steps: Sequence[StepRecord],
         if not miss:
             continue
         spans = _late_spans(rec, slo)
-        events += [_late_event(rec.index, span, ordered, ends) for span in spans]
+        events += [_late_event(rec.index, span, ordered, ends, predicted or {}) for span in spans]
         found = [ordered[i - 1] for span in spans
                  if (i := bisect.bisect_right(ends, span[2])) > 0]
         if not found:

@@ -7,12 +7,13 @@ A host that replays a trace its own way (the simulated host) builds these from i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deltaserve.bench.latency_holdout import KindError, ModeError
 from deltaserve.bench.metrics import in_window
 from deltaserve.bench.replay import ReplayResult
 from deltaserve.bench.systems import SystemSpec
+from deltaserve.core.shape import StepShape
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,10 @@ class ReplicaRun:
 class SystemRun:
     """``slo_scale``: the SLO scale it ran under (None for a system that ignores the SLO).
     ``latency``: the latency model's error per execution mode, online and held out;
-    ``latency_kinds``: its online error split by step kind (empty where none is kept).
+    ``latency_kinds``: its online error split by step kind (empty where none is kept);
+    ``step_predictions``: what the latency model predicted for each step, by (shape, seconds)
+    (empty where none is kept); ``latency_yields``: the error split by kind and by whether a
+    yield preceded the step.
     ``replicas``: with ``--replicas`` N > 1, each replica's share; ``result`` and ``commits``
     are then the fleet's (every replica's requests, steps and commits together)."""
 
@@ -66,6 +70,8 @@ class SystemRun:
     adapter_dir: str | None = None
     train_log: str | None = None
     latency_kinds: tuple[KindError, ...] = ()
+    step_predictions: dict[tuple[StepShape, float], float] = field(default_factory=dict)
+    latency_yields: tuple[KindError, ...] = ()
     replicas: tuple[ReplicaRun, ...] = ()
 
     def window_commits(self, window_s: float | None = None) -> list[Commit]:

@@ -76,6 +76,7 @@ def summarize(scores: Sequence[SystemScore]) -> SystemScore:
                    harvest=replace(first.harvest, ft_tokens=tokens),
                    latency=pooled_errors([s.latency for s in scores]),
                    latency_kinds=pooled_kind_errors([s.latency_kinds for s in scores]),
+                   latency_yields=pooled_kind_errors([s.latency_yields for s in scores]),
                    padded_token_efficiency=_median([s.padded_token_efficiency for s in scores]),
                    drained_s=_median([s.drained_s for s in scores]),
                    misses=_total_misses([s.misses for s in scores]),

@@ -74,6 +74,10 @@ def _announce(cfg: BenchConfig, run: SystemRun, slo: SLOChoice, window: float) -
         log(cfg, f"{run.spec.name}: latency model online, by step kind: " + "; ".join(
             f"{e.kind} {e.mode} {e.mape:.1%} (bias {e.bias:+.1%}, {e.steps} steps)"
             for e in run.latency_kinds))
+    if run.latency_yields:
+        log(cfg, f"{run.spec.name}: latency model, by step kind and yield: " + "; ".join(
+            f"{e.kind} {e.mode} {e.mape:.1%} (bias {e.bias:+.1%}, {e.steps} steps)"
+            for e in run.latency_yields))
 
 
 def _slos(cfg: BenchConfig, pilot: SystemRun) -> dict[float, SLOChoice]:

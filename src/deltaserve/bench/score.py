@@ -91,6 +91,7 @@ class SystemScore:
     drained_s: float | None = None
     runs: tuple[M.SystemMetrics, ...] = ()
     latency_kinds: tuple[KindError, ...] = ()
+    latency_yields: tuple[KindError, ...] = ()
 
     @property
     def meets(self) -> bool:
@@ -107,6 +108,7 @@ class SystemScore:
                   "harvest": self.harvest.as_json(),
                   "latency_model_by_mode": [e.as_json() for e in self.latency],
                   "latency_model_by_kind": [e.as_json() for e in self.latency_kinds],
+                  "latency_model_by_yield": [e.as_json() for e in self.latency_yields],
                   "hardware_share": asdict(self.share),
                   "padded_token_efficiency": self.padded_token_efficiency,
                   "drained_s": self.drained_s, "repeats": max(1, len(self.runs)),
@@ -137,10 +139,12 @@ def score_run(run: SystemRun, slo: SLOConfig, base: HarvestBase) -> SystemScore:
     account = M.harvest(tokens, base.idle, base.tokens_per_core_s, run.share.reserved, window)
     metrics = M.compute(r.records, slo, window, tokens, sum(c.num_samples for c in commits),
                         pooled_online_mape(run.latency), account.ratio)
-    misses = miss_sources(r.records, r.steps, slo, [not M.meets_slo(x, slo) for x in r.records])
+    misses = miss_sources(r.records, r.steps, slo, [not M.meets_slo(x, slo) for x in r.records],
+                          run.step_predictions)
     return SystemScore(run.spec.name, run.spec.pair, run.slo_scale, metrics, account,
                        run.latency, run.share, tokens / padded if padded else None,
-                       misses, r.drained_s, latency_kinds=run.latency_kinds)
+                       misses, r.drained_s, latency_kinds=run.latency_kinds,
+                       latency_yields=run.latency_yields)
 
 
 def overlaps(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool | None:

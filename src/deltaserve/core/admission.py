@@ -200,14 +200,21 @@ class AdmissionScheduler:
         """The step's TTFT and TPOT slack. ``late_s_per_step``: how late recent steps ended
         past their margin-inflated predictions (the yield reserve's lateness; 0 where the host
         measures none); a waiting request's TTFT slack keeps it back for every further step it
-        waits through before its first token (:func:`~deltaserve.core.slo.ttft_slack_s`)."""
+        waits through before its first token (:func:`~deltaserve.core.slo.ttft_slack_s`), and
+        on a phase-separated host the TPOT slack keeps it back for every step the deferred
+        decode waits through (the queued prefills and the decode step itself)."""
         rate = self.queue_s_per_token(view.proposed)
         deferred = 0.0
         if view.deferred_decode is not None and self.limits.batching is Batching.PHASE_SEPARATED:
             # a phase-separated host runs every prompt it can start before its next decode
-            # step (prefill first): the decodes wait for the whole queue behind this step too
+            # step (prefill first): the decodes wait for the whole queue behind this step too,
+            # and for each of those steps' lateness, as a TTFT does (a TPOT gap on SGLang
+            # spanned eight steps under a burst, each late by a little, and ran past the
+            # objective though every yield in it was priced: docs/results.md)
             queued = max((w.tokens_after_step for w in view.waiting), default=0)
-            deferred = self.model.predict_upper(view.deferred_decode) + rate * queued
+            further_steps = -(-queued // self.queue_step_tokens(view.proposed)) + 1
+            deferred = (self.model.predict_upper(view.deferred_decode) + rate * queued
+                        + late_s_per_step * further_steps)
         return StepBudget(
             ttft_slack_s(self.slo, view.now_s, view.waiting, rate, late_s_per_step,
                          self.queue_step_tokens(view.proposed)),

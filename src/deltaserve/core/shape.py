@@ -15,6 +15,15 @@ class ExecMode(StrEnum):
     EAGER = "eager"
 
 
+class StepKind(StrEnum):
+    """What a step carries, for the latency model's per-kind level and its error reports."""
+
+    DECODE = "decode"  # Equation II: decode tokens only
+    PREFILL = "prefill"  # Equation I with inference rows only
+    MIXED_FT = "mixed+ft"  # Equation I: inference rows beside fine-tuning rows
+    FT_ONLY = "ft-only"  # Equation I: fine-tuning rows alone (an idle engine's training step)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The work of one engine step, in tokens.
@@ -103,3 +112,9 @@ class StepShape:
 
     def inference_only(self) -> StepShape:
         return replace(self, ft_lens=())
+
+
+def kind_of(shape: StepShape) -> StepKind:
+    if not shape.ft_lens:
+        return StepKind.DECODE if shape.is_decode_only else StepKind.PREFILL
+    return StepKind.MIXED_FT if shape.num_prefill_tokens + shape.num_decode else StepKind.FT_ONLY

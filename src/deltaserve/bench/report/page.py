@@ -83,16 +83,20 @@ def _late_events_html(doc: dict) -> str:
     """Every missed request's late events, per system: what the late span held."""
     rows = [[n, str(e["repeat"] + 1), str(e["request"]), e["event"], f"{e['late_ms']:.0f}",
              f"{e['span_s']:.2f}", str(e["steps"]), f"{e['step_s']:.2f}",
-             f"{e['yielded_s']:.2f}", str(e["ft_tokens"]), f"{e['other_s']:.2f}"]
+             f"{e['yielded_s']:.2f}", str(e["ft_tokens"]), f"{e['other_s']:.2f}",
+             "–" if e.get("predicted_s") is None else f"{e['predicted_s']:.2f}",
+             html.escape(e.get("longest", ""))]
             for n, s in doc["systems"].items() for e in (s.get("misses") or {}).get("events", [])]
     if not rows:
         return ""
     head = ("system", "repeat", "request", "event", "late (ms)", "span (s)", "steps",
-            "in steps (s)", "lent before them (s)", "FT tokens", "other (s)")
+            "in steps (s)", "lent before them (s)", "FT tokens", "other (s)",
+            "predicted (s)", "longest step")
     return ("<h2>Missed requests</h2><p>Each late event's span (arrival to first token, or the "
             "longest gap between tokens) and what it held: the steps that ended in it, the "
             "time lent to the backward before them, the fine-tuning tokens they carried, and "
-            "the rest (waits for the backward to stop, scheduling, idle).</p>"
+            "the rest (waits for the backward to stop, scheduling, idle); then what the "
+            "latency model predicted for those steps, and the longest one's tokens.</p>"
             + _table(head, rows))
 
 

@@ -226,7 +226,9 @@ class CoServer:
 
     def _on_training_event(self, event: TrainingEvent) -> None:
         if isinstance(event, TrainingStopped) and self._failure is None:
-            self._failure = TrainingFailed(event.reason, event.lost_steps)
+            # the trainer's own failure (set before it emits the event) keeps its cause
+            self._failure = self.trainer.failure or TrainingFailed(event.reason,
+                                                                   event.lost_steps)
 
     @property
     def failure(self) -> TrainingFailed | None:

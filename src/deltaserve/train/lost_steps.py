@@ -21,11 +21,14 @@ WORKER_DIED = "worker_died"
 
 class TrainingFailed(RuntimeError):
     """Training stopped: ``lost_steps`` optimizer steps in a row were lost, the last one for
-    ``reason`` (an exception's last line, or how the backward process died)."""
+    ``reason`` (an exception's last line, or how the backward process died). ``cause``: why it
+    stopped, where that is not the run of lost steps (a data-parallel group that lost a
+    member stops at its first lost step)."""
 
-    def __init__(self, reason: str, lost_steps: int):
-        super().__init__(f"fine-tuning stopped: {lost_steps} optimizer steps in a row were lost "
-                         f"and none committed between them; last reason: {reason}")
+    def __init__(self, reason: str, lost_steps: int, *, cause: str | None = None):
+        cause = cause or (f"{lost_steps} optimizer steps in a row were lost and none committed "
+                          f"between them")
+        super().__init__(f"fine-tuning stopped: {cause}; last reason: {reason}")
         self.reason = reason
         self.lost_steps = lost_steps
 

@@ -216,7 +216,7 @@ class Trainer(GrantDelegation):
                 else f"the group lost a peer ({reason_summary(outcome.reason)})")
         return TrainingFailed(f"data-parallel replica {dp.rank} of {dp.world_size}: {what}; "
                               f"the group cannot step again, so this replica trains no more",
-                              self.lost.consecutive)
+                              self.lost.consecutive, cause="the data-parallel group lost a member")
 
     def _give_up(self, failure: TrainingFailed) -> None:
         """Stop training for good: no more jobs (the captured samples go back to the pool);

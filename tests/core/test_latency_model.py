@@ -297,3 +297,18 @@ def test_ft_pricer_carries_the_mixed_ft_level(fitted):
     want = fitted.predict_upper(base.with_ft((100, 50)))
     assert fitted.ft_pricer(base).upper_s(100 * 100 + 50 * 50, 150) == pytest.approx(want,
                                                                                      rel=1e-12)
+
+
+def test_a_step_after_a_yield_has_its_own_level_starting_from_its_kinds():
+    rng = np.random.default_rng(23)
+    m = fit_from(observations(rng, random_shapes(rng, 300)))
+    _slowed_decode_steps(m, rng, 1.2, 300)
+    s = StepShape(num_decode=12, kv_tokens=5000)
+    after = replace(s, after_yield=True)
+    assert m.predict(after) == m.predict(s)  # none seen after a yield: the kind's level
+    for _ in range(80):
+        m.observe(after, 1.5 * true_time(s))
+    assert m.predict(after) == pytest.approx(1.5 * true_time(s), rel=0.03)
+    assert m.predict(s) == pytest.approx(1.2 * true_time(s), rel=0.05)
+    assert m.level(StepKind.DECODE, ExecMode.EAGER, True) > m.level(StepKind.DECODE,
+                                                                     ExecMode.EAGER)

@@ -37,3 +37,13 @@ def test_invalid(kwargs, field):
     with pytest.raises(InputError) as e:
         StepShape(**kwargs)
     assert e.value.field == field
+
+
+def test_after_yield_is_context_not_work():
+    """A host's record of a step (no flag) equals the co-server's shape of it, and adding or
+    dropping fine-tuning samples keeps the flag."""
+    s = StepShape((30,), num_decode=2, kv_tokens=100, after_yield=True)
+    plain = StepShape((30,), num_decode=2, kv_tokens=100)
+    assert s == plain and hash(s) == hash(plain)
+    assert s.with_ft((8,)).after_yield and s.with_ft((8,)).inference_only().after_yield
+    assert not plain.with_ft((8,)).after_yield

@@ -219,3 +219,23 @@ def test_a_waiting_requests_slack_keeps_the_lateness_of_each_step_before_its_fir
     assert co.yield_budget_s(queued(arrival_s)) == pytest.approx(blind - 0.010 - 3 * 0.010)
     assert co.yield_budget_s(view()) == pytest.approx(co.scheduler.yield_budget_s(view())
                                                       - 0.010)  # no queue: one step's
+
+
+def test_steps_after_a_yield_are_learned_and_priced_at_their_own_level():
+    """A step after a yield is planned with ``after_yield`` set, and its time moves that level
+    only: steps after yields that ran twice their prediction leave the no-yield price alone."""
+    co = coserver(quantile=1.0)
+    for _ in range(4):
+        run_step(co, 0.0)
+    no_yield_s = co.latency.predict(DECODE)
+    for i in range(30):
+        co._clock.now_s = float(i)
+        co.yield_to_backward(0.01, threading.Event())
+        step = co.plan(view())
+        assert step.plan.shape.after_yield and step.plan.shape == DECODE
+        co.observe(StepReport(step, DECODE, 2 * co.latency.predict(DECODE)))
+    after = StepShape(num_decode=2, kv_tokens=40, after_yield=True)
+    assert co.latency.predict(DECODE) == pytest.approx(no_yield_s, rel=0.05)
+    assert co.latency.predict(after) > 1.6 * no_yield_s
+    step = co.plan(view())  # no yield before this one
+    assert not step.plan.shape.after_yield

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from deltaserve.core.errors import require
@@ -37,6 +37,10 @@ class StepShape:
     ``prefill_prefix_lens``: for each prefill chunk, the tokens of its request already in the
     cache (empty: none has a prefix). They are part of ``kv_tokens`` too; they also set the
     attention area of the chunk (see :attr:`prefill_sq_tokens`).
+    ``after_yield``: the step follows a yield to the backward. Not the step's work but where it
+    runs (steps after a yield run slower than the same shape without one: the latency model
+    keeps a level for each), so it takes no part in equality: a host's record of the step
+    equals the co-server's.
     """
 
     prefill_lens: tuple[int, ...] = ()
@@ -45,6 +49,7 @@ class StepShape:
     ft_lens: tuple[int, ...] = ()
     mode: ExecMode = ExecMode.EAGER
     prefill_prefix_lens: tuple[int, ...] = ()
+    after_yield: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         require(not self.prefill_prefix_lens
@@ -108,7 +113,8 @@ class StepShape:
     def with_ft(self, ft_lens: tuple[int, ...]) -> StepShape:
         """This step with fine-tuning samples added; the result runs eager."""
         return StepShape(self.prefill_lens, self.num_decode, self.kv_tokens,
-                         self.ft_lens + tuple(ft_lens), ExecMode.EAGER, self.prefill_prefix_lens)
+                         self.ft_lens + tuple(ft_lens), ExecMode.EAGER, self.prefill_prefix_lens,
+                         self.after_yield)
 
     def inference_only(self) -> StepShape:
         return replace(self, ft_lens=())

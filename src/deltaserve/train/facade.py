@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from deltaserve.core.admission import (
     AdmissionMode,
@@ -36,6 +37,7 @@ from deltaserve.core.contract import StepReport, TrainingStep
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.pool import SamplePool
+from deltaserve.core.shape import StepShape
 from deltaserve.core.yield_reserve import YieldReserve
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
@@ -125,6 +127,8 @@ class CoServer:
         # after a yield, admission (when it may run beside the backward) keeps its reserve too
         reserve_s, self._lent_reserve_s = self._lent_reserve_s, 0.0
         self.step_yield_s, self._lent_s = self._lent_s, 0.0
+        if self.step_yield_s > 0:  # priced, and learned from, at the after-yield level
+            view = _after_yield(view)
         if self._failure is not None:  # training gave up: the step serves inference only
             plan = AdmissionPlan((), view.proposed, None, math.nan, Skip.OFF)
         else:
@@ -145,14 +149,15 @@ class CoServer:
         t = self.trainer
         t.after_step()
         plan = report.step.plan
-        upper_s = self._upper_s(report)
+        shape = replace(report.shape, after_yield=plan.shape.after_yield)
+        upper_s = self._upper_s(report, shape)
         if report.aborted:
             self.book.release(plan.sample_ids)
             t.counts["aborted_steps"] += 1
         else:
-            if not report.shape.is_empty:
-                predicted = self.latency.observe(report.shape, report.seconds)
-                self.scheduler.observe(report.shape, report.seconds)
+            if not shape.is_empty:
+                predicted = self.latency.observe(shape, report.seconds)
+                self.scheduler.observe(shape, report.seconds)
                 if predicted is not None:
                     self._timing["steps_timed"] += 1
                     self._timing["predicted_s"] += predicted
@@ -184,7 +189,8 @@ class CoServer:
         if not (t.backward_exclusive and b.yield_to_backward and t.backward_busy):
             return 0.0
         # the backward stops at a layer boundary: the reserve is at least two layers
-        slack_s = self.scheduler.yield_budget_s(view, late_s_per_step=self._late_s_per_step())
+        slack_s = self.scheduler.yield_budget_s(_after_yield(view),
+                                                late_s_per_step=self._late_s_per_step())
         return self._reserve.budget_s(slack_s, 2 * t.backward_layer_s, b.max_yield_s)
 
     def _late_s_per_step(self) -> float:
@@ -197,7 +203,7 @@ class CoServer:
         late_s = self._reserve.reserve_s(0.0)
         return late_s if math.isfinite(late_s) else 0.0
 
-    def _upper_s(self, report: StepReport) -> float | None:
+    def _upper_s(self, report: StepReport, shape: StepShape) -> float | None:
         """The margin-inflated prediction of an inference step that ran whole, before the
         latency model learns from it. Its lateness, what the yield reserve learns from, is the
         time from its start (see :meth:`plan`) to the end of :meth:`observe` (the wait for the
@@ -206,9 +212,9 @@ class CoServer:
         b, t = self.config.backward, self.trainer
         if not (t.backward_exclusive and b.yield_to_backward):
             return None
-        if report.aborted or not report.shape.has_inference or not self.latency.is_calibrated:
+        if report.aborted or not shape.has_inference or not self.latency.is_calibrated:
             return None
-        return self.latency.predict_upper(report.shape)
+        return self.latency.predict_upper(shape)
 
     def yield_to_backward(self, seconds: float, wake: threading.Event) -> float:
         self._due_s = self._clock() + seconds
@@ -263,3 +269,8 @@ class CoServer:
                             timing.get("ft_tokens_admitted", 0), timing.get("steps_timed", 0),
                             timing.get("predicted_s", 0.0), timing.get("measured_s", 0.0),
                             t.backward_busy_s, dict(t.steps_lost))
+
+
+def _after_yield(view: SchedulingView) -> SchedulingView:
+    """``view`` with its proposed step marked as following a yield to the backward."""
+    return replace(view, proposed=replace(view.proposed, after_yield=True))

@@ -110,6 +110,17 @@ def warm_up(host: BaseHost, prompts: PromptSource) -> None:
                   SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True))
 
 
+def _start_split_pool(inputs: RunInputs, threads: int) -> StandaloneTrainer:
+    """split-pool's standalone trainer, started on its reserved ``threads``."""
+    cfg = inputs.cfg
+    trainer = StandaloneTrainer(str(resolve_model(cfg.engine.model)), inputs.data.samples,
+                                cfg.lora, cfg.optimizer, cfg.backward.batch_tokens,
+                                threads=threads, dtype=cfg.engine.dtype, seed=cfg.seed,
+                                device=cfg.engine.device)
+    trainer.start()
+    return trainer
+
+
 def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
                slo_scale: float | None, *, label: str | None = None, tag: str = ""
                ) -> SystemRun:
@@ -125,9 +136,7 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
     lm = HoldoutLatencyModel.load(inputs.lm_paths[share.host])  # all start from one calibration
     lm.every = cfg.latency_holdout_every
     host.latency_model = lm
-    if label is None:
-        label = spec.name if slo_scale is None else f"{spec.name} @{slo_scale:g}"
-    label += tag
+    label = (label or (spec.name if slo_scale is None else f"{spec.name} @{slo_scale:g}")) + tag
     root = inputs.work / "checkpoints" / label.replace(" @", "-").replace(" #", "-")
     trainer: StandaloneTrainer | None = None
     try:
@@ -141,12 +150,7 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
                              scheduler_cls=spec.scheduler_cls, progress=False)
             commits = _commits(co)
         if spec.trainer_replicas:  # split-pool: the standalone trainer on its reserved share
-            trainer = StandaloneTrainer(str(resolve_model(cfg.engine.model)),
-                                        inputs.data.samples, cfg.lora, cfg.optimizer,
-                                        cfg.backward.batch_tokens, threads=share.reserved,
-                                        dtype=cfg.engine.dtype, seed=cfg.seed,
-                                        device=cfg.engine.device)
-            trainer.start()
+            trainer = _start_split_pool(inputs, share.reserved)
         result = replay(host, inputs.trace, inputs.data.prompts, label=label,
                         min_wall_s=cfg.window_s(inputs.trace.duration_s),
                         progress=cfg.progress)

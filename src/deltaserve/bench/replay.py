@@ -196,9 +196,7 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
     caller's torch thread count). One result per host, with its own requests and steps and
     the fleet's common start and end. A replica whose loop raises is routed around and the
     replay goes on; :class:`ReplicaFailed` is raised at its end, with the results."""
-    router = router or RoundRobin(len(hosts))
-    require(router.num_replicas == len(hosts), "router", router.num_replicas,
-            f"routes over a different number of replicas than the {len(hosts)} hosts")
+    router = _checked(router, len(hosts))
     records = [RequestRecord(i, 0.0, r.prompt_tokens, r.output_tokens)
                for i, r in enumerate(trace.requests)]
     assigned: dict[int, int] = {}
@@ -214,10 +212,7 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
     def client() -> None:
         try:
             _send(hosts, router, records, assigned, trace, prompts, start, bar)
-            deadline = time.monotonic() + drain_timeout_s
-            while _unfinished(hosts, router) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            outcome["timed_out"] = _unfinished(hosts, router)
+            outcome["timed_out"] = _drain(hosts, router, drain_timeout_s)
             while time.monotonic() < start + min_wall_s and router.any_live:
                 time.sleep(0.02)
         finally:
@@ -248,9 +243,31 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
                             float(outcome["end"]), trace.duration_s, steps[r],
                             bool(outcome.get("timed_out", True)))
                for r in range(len(hosts))]
+    _raise_first(errors, results)
+    return results
+
+
+def _checked(router: Router | None, num_hosts: int) -> Router:
+    """``router`` (round-robin by default), refused unless it routes over ``num_hosts``."""
+    router = router or RoundRobin(num_hosts)
+    require(router.num_replicas == num_hosts, "router", router.num_replicas,
+            f"routes over a different number of replicas than the {num_hosts} hosts")
+    return router
+
+
+def _drain(hosts: Sequence[BaseHost], router: Router, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the live replicas' requests; whether any is unfinished."""
+    deadline = time.monotonic() + timeout_s
+    while _unfinished(hosts, router) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _unfinished(hosts, router)
+
+
+def _raise_first(errors: list[tuple[int, BaseException]], results: list[ReplayResult]) -> None:
+    """The first replica's error, if any: an interrupt as it is, a failure as
+    :class:`ReplicaFailed` carrying every replica's ``results``."""
     if errors:
         replica, error = errors[0]
         if not isinstance(error, Exception):
             raise error  # an interrupt, not a replica's failure
         raise ReplicaFailed(replica, results) from error
-    return results

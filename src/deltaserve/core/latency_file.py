@@ -17,9 +17,15 @@ from pathlib import Path
 
 from deltaserve.core.errors import InputError, require
 from deltaserve.core.jsontypes import JsonObject, JsonValue
+from deltaserve.core.latency_terms import TERMS, Equation
 
 # format -> equation -> names of its coefficients (one feature per coefficient)
 Layouts = Mapping[str, Mapping[str, tuple[str, ...]]]
+FORMAT = "deltaserve.latency_model/2"
+FORMAT_V1 = "deltaserve.latency_model/1"  # before the ζ term; still loads
+LAYOUTS: Layouts = {
+    FORMAT: {eq.value: TERMS[eq] for eq in Equation},
+    FORMAT_V1: {eq.value: tuple(t for t in TERMS[eq] if t != "zeta") for eq in Equation}}
 
 
 @dataclass(frozen=True)
@@ -101,3 +107,9 @@ def _numbers(value: JsonValue, width: int, field: str, path: str | os.PathLike, 
     for x in value:
         require(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
                 and x >= 0, field, value, f"{x!r} is not a finite number >= 0 (in {path})")
+
+
+def upgrade_v1_rows(rows: list[list[float]]) -> list[list[float]]:
+    """Format 1 had no ζ term: its Equation I rows gain the feature (recomputable from T_in + B_d
+    and T_ft) and its coefficients a ζ of 0, so a saved calibration predicts as it did."""
+    return [[*r[:-1], r[1] if r[2] > 0 else 0.0, r[-1]] for r in rows]

@@ -18,18 +18,10 @@ Each equation keeps one coefficient set per execution mode (graph replay, eager 
 with fine-tuning tokens is always eager. Observations live in bounded ring buffers: calibration
 points form a fixed anchor set, online points age out after ``window`` newer ones.
 
-A prediction is the fit times a *level* per step kind (:class:`~deltaserve.core.shape.StepKind`)
-and mode: a moving average of actual ÷ fitted over the served steps of that kind. Calibration
-probes run on a quiet machine; co-serving, the same shapes ran 20–30 % slower (decode and
-inference-prefill steps on the embedded engine, beside a backward that computes between them:
-``latency_model_by_kind`` in the 12-05 bench results), and the fit, held to its anchors,
-followed only part of the way. The level follows in tens of steps whatever the terms cannot
-express, per kind, without moving the shape the anchors give. A step after a yield to the
-backward (``StepShape.after_yield``) has a level of its own: on vLLM such mixed+ft steps ran
-15 % over the per-kind level's prediction where the same kind without a yield ran on it
-(``latency_model_by_yield``). The fit learns from the steps with no yield before them
-only, so it stays the price of the undisturbed machine, and the after-yield level is its
-ratio to that. The margin is measured against the levelled fit.
+A prediction is the fit times a *level* per step kind, mode and yield
+(:mod:`deltaserve.core.latency_level`), which follows the served machine where the fit, held to
+its calibration anchors, cannot; the fit learns from steps with no yield before them only. The
+margin is measured against the levelled fit.
 """
 
 from __future__ import annotations
@@ -39,51 +31,18 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 
 from deltaserve.core.errors import InputError, require, require_choice
-from deltaserve.core.latency_file import read_document
+from deltaserve.core.latency_file import FORMAT, FORMAT_V1, LAYOUTS, read_document, upgrade_v1_rows
+from deltaserve.core.latency_level import StepLevels
+from deltaserve.core.latency_terms import TERMS, Equation, FeatureRing, equation_of, features
 from deltaserve.core.nnls import nnls
 from deltaserve.core.shape import ExecMode, StepKind, StepShape, kind_of
 
-
-class Equation(StrEnum):
-    MIXED = "mixed"  # Equation I: prefill or fine-tuning tokens present
-    DECODE = "decode"  # Equation II: decode tokens only
-
-
-TERMS: dict[Equation, tuple[str, ...]] = {
-    Equation.MIXED: ("alpha", "beta", "gamma", "epsilon", "c", "zeta"),
-    Equation.DECODE: ("beta", "epsilon", "c"),
-}
 _KEYS = tuple((eq, mode) for eq in Equation for mode in ExecMode)
-FORMAT = "deltaserve.latency_model/2"
-FORMAT_V1 = "deltaserve.latency_model/1"  # before the ζ term; still loads
-_LAYOUTS = {FORMAT: {eq.value: TERMS[eq] for eq in Equation},
-            FORMAT_V1: {eq.value: tuple(t for t in TERMS[eq] if t != "zeta") for eq in Equation}}
-
-
-def equation_of(shape: StepShape) -> Equation:
-    return Equation.DECODE if shape.is_decode_only else Equation.MIXED
-
-
-def features(shape: StepShape, equation: Equation | None = None) -> tuple[float, ...]:
-    """The regressors of ``shape`` under ``equation`` (its own equation by default)."""
-    equation = equation or equation_of(shape)
-    if equation is Equation.DECODE:
-        return (float(shape.num_decode), float(shape.kv_tokens), 1.0)
-    inference_rows = float(shape.num_prefill_tokens + shape.num_decode)
-    return (
-        float(shape.prefill_sq_tokens),
-        inference_rows,
-        float(shape.num_ft_tokens),
-        float(shape.kv_tokens),
-        1.0,
-        inference_rows if shape.ft_lens else 0.0,
-    )
 
 
 @dataclass(frozen=True)
@@ -167,24 +126,6 @@ class FtPricer:
         return (base + self.alpha * ft_sq_tokens + self.gamma * ft_tokens) * self.scale
 
 
-class _Ring:
-    """Fixed-capacity ring of (features..., seconds) rows."""
-
-    def __init__(self, capacity: int, width: int):
-        self.rows = np.zeros((capacity, width + 1))
-        self.size = 0
-        self.head = 0
-
-    def push(self, x: tuple[float, ...], seconds: float) -> None:
-        self.rows[self.head, :-1] = x
-        self.rows[self.head, -1] = seconds
-        self.head = (self.head + 1) % len(self.rows)
-        self.size = min(self.size + 1, len(self.rows))
-
-    def data(self) -> np.ndarray:
-        return self.rows[: self.size] if self.size < len(self.rows) else self.rows
-
-
 class LatencyModel:
     """Predicts step time from a :class:`StepShape`; see the module docstring for the equations."""
 
@@ -194,12 +135,12 @@ class LatencyModel:
         self._anchors: dict[tuple[Equation, ExecMode], list[tuple[tuple[float, ...], float]]] = {
             k: [] for k in _KEYS
         }
-        self._online = {k: _Ring(self.config.window, width[k[0]]) for k in _KEYS}
+        self._online = {k: FeatureRing(self.config.window, width[k[0]]) for k in _KEYS}
         self._since_fit = dict.fromkeys(_KEYS, 0)
         self._coef: dict[tuple[Equation, ExecMode], np.ndarray | None] = dict.fromkeys(_KEYS)
         self._margin = dict.fromkeys(_KEYS, self.config.margin_floor)
-        self._errors = {m: _Ring(self.config.error_window, 1) for m in ExecMode}
-        self._level: dict[tuple[StepKind, ExecMode, bool], float] = {}
+        self._errors = {m: FeatureRing(self.config.error_window, 1) for m in ExecMode}
+        self._levels = StepLevels(self.config.level_rate)
         self.version = 0  # bumps on every refit or level change: callers cache derived numbers
 
     # ---- data -------------------------------------------------------------------------------
@@ -235,22 +176,14 @@ class LatencyModel:
         return predicted
 
     def _learn_level(self, shape: StepShape, seconds: float) -> None:
-        """Move the level of ``shape``'s kind toward this step's actual ÷ fitted (clipped to
-        [1/4, 4], so one stalled step cannot swing it)."""
-        rate = self.config.level_rate
-        fitted = self._fitted(shape) if rate > 0 else math.inf
-        if not (math.isfinite(fitted) and fitted > 0):
-            return
-        key = (kind_of(shape), shape.mode, shape.after_yield)
-        level = self.level(*key)
-        self._level[key] = level + rate * (min(max(seconds / fitted, 0.25), 4.0) - level)
-        self.version += 1
+        fitted = self._fitted(shape) if self._levels.rate > 0 else math.inf
+        if math.isfinite(fitted) and fitted > 0 and self._levels.learn(
+                kind_of(shape), shape.mode, shape.after_yield, seconds / fitted):
+            self.version += 1
 
     def level(self, kind: StepKind, mode: ExecMode, after_yield: bool = False) -> float:
-        """Actual ÷ fitted of recent served steps of ``kind`` that followed a yield, or did
-        not (1 before any; after a yield, the kind's no-yield level until one is seen)."""
-        fallback = self._level.get((kind, mode, False), 1.0)
-        return self._level.get((kind, mode, after_yield), fallback)
+        """Actual ÷ fitted of recent served steps of ``kind`` (see :class:`StepLevels`)."""
+        return self._levels.get(kind, mode, after_yield)
 
     def _row_levels(self, key: tuple[Equation, ExecMode], x: np.ndarray) -> np.ndarray:
         """The level of each row's kind (rows of ``key``'s equation, features as columns)."""
@@ -408,7 +341,7 @@ class LatencyModel:
         """Read a file written by :meth:`save` (format 2, or format 1). Every field is checked
         first (:func:`deltaserve.core.latency_file.read_document`): a bad file is an
         :class:`InputError` naming the field and its value."""
-        doc = read_document(path, _LAYOUTS, tuple(ExecMode))
+        doc = read_document(path, LAYOUTS, tuple(ExecMode))
         try:
             model = cls(LatencyModelConfig(**doc.config))
         except TypeError as e:  # an unknown setting, or a value of the wrong type
@@ -419,19 +352,13 @@ class LatencyModel:
             coef, anchors, online = entry.coefficients, entry.anchors, entry.online
             if doc.format == FORMAT_V1 and key[0] is Equation.MIXED:
                 coef = None if coef is None else [*coef, 0.0]
-                anchors, online = map(_upgrade_v1_rows, (anchors, online))
+                anchors, online = map(upgrade_v1_rows, (anchors, online))
             model._coef[key] = None if coef is None else np.array(coef, dtype=float)
             model._margin[key] = entry.margin
             model._anchors[key] = [(tuple(r[:-1]), r[-1]) for r in anchors]
             for r in online:
                 model._online[key].push(tuple(r[:-1]), r[-1])
         return model
-
-
-def _upgrade_v1_rows(rows: list[list[float]]) -> list[list[float]]:
-    """Format 1 had no ζ term: its Equation I rows gain the feature (recomputable from T_in + B_d
-    and T_ft) and its coefficients a ζ of 0, so a saved calibration predicts as it did."""
-    return [[*r[:-1], r[1] if r[2] > 0 else 0.0, r[-1]] for r in rows]
 
 
 def fit_from(observations: Iterable[tuple[StepShape, float]],

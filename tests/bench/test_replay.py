@@ -31,7 +31,7 @@ class FakeHost:
         def emit():
             times = []
             for k in range(params.max_tokens):
-                time.sleep(0.02 if k == 0 else 0.01)
+                time.sleep(self.token_gap_s(k))
                 times.append(time.monotonic())
                 callback(RequestOutput("r", tuple(prompt), tuple(range(k + 1)), None,
                                        k + 1 == params.max_tokens, None, t0, times[0],
@@ -40,6 +40,10 @@ class FakeHost:
         th.start()
         self._threads.append(th)
         return "r"
+
+    def token_gap_s(self, k: int) -> float:
+        """Seconds before token ``k`` of an answer (after arrival for the first)."""
+        return 0.02 if k == 0 else 0.01
 
     def subscribe_steps(self, listener):
         self.listeners.append(listener)

@@ -22,7 +22,6 @@ from deltaserve.bench.router import (
     create_router,
 )
 from deltaserve.core.errors import InputError
-from deltaserve.core.requests import RequestOutput
 from deltaserve.workloads.trace import from_arrivals
 from tests.bench.test_replay import FakeHost
 
@@ -170,22 +169,8 @@ def test_with_every_replica_down_the_replay_stops_and_fails():
 class SlowHost(FakeHost):
     """Every token 0.6 s apart: a replica busy with a long answer."""
 
-    def add_request(self, prompt, params=None, *, adapter=None, callback=None, request_id=None):
-        t0 = time.monotonic()
-        self.sent.append((t0, list(prompt)))
-
-        def emit():
-            times = []
-            for k in range(params.max_tokens):
-                time.sleep(0.6)
-                times.append(time.monotonic())
-                callback(RequestOutput("r", tuple(prompt), tuple(range(k + 1)), None,
-                                       k + 1 == params.max_tokens, None, t0, times[0],
-                                       tuple(times)))
-        th = threading.Thread(target=emit)
-        th.start()
-        self._threads.append(th)
-        return "r"
+    def token_gap_s(self, k: int) -> float:
+        return 0.6
 
 
 @pytest.mark.parametrize("name, slow_gets", [("round-robin", 5), ("least-loaded", 1)])

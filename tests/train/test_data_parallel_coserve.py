@@ -5,7 +5,9 @@ an empty share, both take the same steps, and their (bit-identical) adapter equa
 one replica's trained on the union of every global step's shares (brute force, in this
 process)."""
 
+import math
 import threading
+import time
 
 import torch
 
@@ -82,18 +84,24 @@ def settle(co: CoServer) -> None:
         co.idle(0.05)
 
 
+def train_idle(co: CoServer, deadline_s: float = math.inf) -> None:
+    """Train as an idle host does until nothing is pending (trained, or training stopped),
+    or until ``deadline_s`` on the monotonic clock."""
+    while time.monotonic() < deadline_s:
+        settle(co)
+        step = training_only_step(co, co.model, co.adapter)
+        settle(co)
+        if step is None and not co.trainer.has_pending:
+            return
+
+
 def drive(co: CoServer, steps: list[OptimizerStep], errors: list[BaseException]) -> None:
     """Train the replica's shards as an idle host would, capturing only while no step is in
     flight: every sample of global step k is captured on the adapter of step k (as the brute
     force captures them), whichever replica's peer is slower."""
     co.subscribe(lambda ev: steps.append(ev) if isinstance(ev, OptimizerStep) else None)
     try:
-        while True:
-            settle(co)
-            step = training_only_step(co, co.model, co.adapter)
-            settle(co)
-            if step is None and not co.trainer.has_pending:
-                break
+        train_idle(co)
         co.close(drain=True, checkpoint=False, timeout_s=120.0)
     except BaseException as e:  # re-raised on the test thread
         errors.append(e)

@@ -16,12 +16,11 @@ import time
 import pytest
 
 from deltaserve.core.shard import DataShard
-from deltaserve.train.capture import training_only_step
 from deltaserve.train.events import OptimizerStep, TrainingEvent, TrainingStopped
 from deltaserve.train.facade import CoServer
 from tests.train import fixtures as fx
 from tests.train.backward.test_data_parallel import free_port
-from tests.train.test_data_parallel_coserve import SEED, settle, start
+from tests.train.test_data_parallel_coserve import SEED, start, train_idle
 
 NUM_SAMPLES = 9  # shards of 5 and 4, one sample a step
 NUM_EPOCHS = 2
@@ -32,14 +31,8 @@ DRIVE_S = 120.0  # how long a replica may take to train or give up
 
 def drive(co: CoServer, events: list[TrainingEvent], errors: list[BaseException]) -> None:
     """Train as an idle host does until nothing is pending (trained, or training stopped)."""
-    deadline = time.monotonic() + DRIVE_S
     try:
-        while time.monotonic() < deadline:
-            settle(co)
-            step = training_only_step(co, co.model, co.adapter)
-            settle(co)
-            if step is None and not co.trainer.has_pending:
-                break
+        train_idle(co, time.monotonic() + DRIVE_S)
         co.close(drain=False, checkpoint=False, timeout_s=30.0)
     except BaseException as e:  # re-raised on the test thread
         errors.append(e)

@@ -160,10 +160,12 @@ class LatencyModel:
         """
         _check_seconds(seconds)
         key = (equation_of(shape), shape.mode)
-        predicted = self.predict(shape) if self.is_calibrated else None
+        fitted = self._fitted(shape)  # once: the prediction and the level both need it
+        predicted = fitted * self.level(kind_of(shape), shape.mode, shape.after_yield) \
+            if self.is_calibrated else None
         if predicted is not None and math.isfinite(predicted):
             self._errors[shape.mode].push((predicted,), seconds)
-        self._learn_level(shape, seconds)
+        self._learn_level(shape, seconds, fitted)
         if shape.after_yield:
             # the fit is the machine with no yield before its steps: an after-yield step moves
             # only its own level, so the fit (and every no-yield price) does not chase the
@@ -175,8 +177,7 @@ class LatencyModel:
             self._fit_key(key)
         return predicted
 
-    def _learn_level(self, shape: StepShape, seconds: float) -> None:
-        fitted = self._fitted(shape) if self._levels.rate > 0 else math.inf
+    def _learn_level(self, shape: StepShape, seconds: float, fitted: float) -> None:
         if math.isfinite(fitted) and fitted > 0 and self._levels.learn(
                 kind_of(shape), shape.mode, shape.after_yield, seconds / fitted):
             self.version += 1

@@ -28,6 +28,7 @@ from deltaserve.cli import main
 from deltaserve.core.errors import InputError
 from deltaserve.core.slo import SLOConfig
 from deltaserve.model import loading
+from deltaserve.train.checkpoint_store import find_latest
 from deltaserve.workloads.trace import from_arrivals
 from tests.bench.test_bench_smoke import tiny_model  # noqa: F401 - the module's fixture
 from tests.bench.test_replay import FakeHost
@@ -164,8 +165,11 @@ def test_two_replicas_report_each_replica_the_totals_and_the_allreduce(bench):
 @pytest.mark.slow
 def test_two_replicas_train_no_sample_twice_in_an_epoch_and_step_together(bench):
     _, out = bench
-    logs = sorted((out / "work" / "checkpoints").glob("deltaserve*/replica-*/train_log.jsonl"))
-    assert len(logs) == 2
+    roots = list((out / "work" / "checkpoints").glob("deltaserve*"))
+    assert len(roots) == 1
+    # one root for the group: each rank's log, rank 0's checkpoint
+    logs = sorted(roots[0].glob("train_log*.jsonl"))
+    assert [p.name for p in logs] == ["train_log.jsonl", "train_log.rank-1.jsonl"]
     steps = []
     for log in logs:
         rows = [json.loads(line) for line in log.read_text().splitlines()]
@@ -175,3 +179,9 @@ def test_two_replicas_train_no_sample_twice_in_an_epoch_and_step_together(bench)
     assert steps[0], "the replicas trained nothing"
     trained = Counter((r["epoch"], sid) for rows in steps for r in rows for sid in r["sample_ids"])
     assert trained and max(trained.values()) == 1
+    # rank 0's checkpoint holds the group's progress: every replica's commits of its epoch
+    latest = find_latest(roots[0])
+    assert latest is not None
+    pool = json.loads((latest / "trainer_state.json").read_text())["pool"]
+    assert "shard" not in pool
+    assert sorted(pool["committed"]) == sorted(sid for e, sid in trained if e == pool["epoch"])

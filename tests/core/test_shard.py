@@ -103,6 +103,41 @@ def test_sharded_checkpoint_resumes_the_epoch_in_order():
     assert e.value.field == "pool.shard"
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("covers_a_shard", [False, True])
+def test_a_group_checkpoint_resumes_any_number_of_replicas(world_size, covers_a_shard):
+    """The group's (unsharded) state of a mid-epoch checkpoint, loaded by ``world_size``
+    replicas: each takes its new shard less what the group committed, the rest of the run
+    trains every sample once per epoch (brute force), and a replica whose whole shard the group
+    committed starts in the next epoch."""
+    num_samples, num_epochs = 11, 2
+    lengths = [random.Random(num_samples).randint(1, 9) for _ in range(num_samples)]
+    rng = random.Random(world_size)
+    if covers_a_shard:
+        shard0 = DataShard(0, world_size, seed=5).ids(num_samples, 0)
+        rest = [i for i in range(num_samples) if i not in shard0]
+        # one replica's shard is the dataset: the group's epoch then lacks one sample
+        done = [*shard0, *rest[:1]] if world_size > 1 else list(shard0[:-1])
+    else:
+        done = rng.sample(range(num_samples), k=5)
+    group = SamplePool(lengths, num_epochs=num_epochs, seed=5)  # what the group's ledger holds
+    group.claim(done)
+    group.commit(done)
+    pools = [SamplePool(lengths, num_epochs=num_epochs, seed=5,
+                        shard=DataShard(r, world_size, seed=5)) for r in range(world_size)]
+    for pool in pools:
+        pool.load_state_dict(group.state_dict())
+        assert pool.progress().samples_committed_total == 0  # its own commits from here on
+    open_ = [{i for i, _ in p.iter_available()} for p in pools if p.epoch == 0]
+    assert sorted(i for ids in open_ for i in ids) == sorted(set(range(num_samples)) - set(done))
+    if covers_a_shard and world_size > 1:
+        assert pools[0].epoch == 1 and len(pools[0]) == len(DataShard(0, world_size, seed=5)
+                                                            .ids(num_samples, 1))
+    ledger: Counter = Counter((0, i) for i in done)
+    _train(pools, rng, ledger, num_epochs)
+    assert ledger == Counter({(e, i): 1 for e in range(num_epochs) for i in range(num_samples)})
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(rank=2, world_size=2), "rank"),
     (dict(rank=-1, world_size=2), "rank"),

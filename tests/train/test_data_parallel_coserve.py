@@ -35,35 +35,35 @@ OPTIMIZER = OptimizerConfig()
 
 
 def dp_config(rank: int = 0, world_size: int = 2, port: int = 29500,
-              timeout_s: float = 120.0) -> CoServeConfig:
+              timeout_s: float = 120.0, root=None) -> CoServeConfig:
     # one sample a step (a batch of one token is full after its first sample), so the shards'
     # step counts differ (4 and 3) in every epoch
     return CoServeConfig(slo=SLOConfig(1.0, 0.5), lora=LORA, optimizer=OPTIMIZER,
-                         checkpoint=CheckpointConfig(root=None),
+                         checkpoint=CheckpointConfig(root=str(root) if root else None),
                          backward=BackwardConfig(batch_tokens=1, threads=1),
                          num_epochs=NUM_EPOCHS, seed=SEED,
                          data_parallel=DataParallelConfig(world_size, rank, master_port=port,
                                                           timeout_s=timeout_s))
 
 
-def start(base_path, samples, port, timeout_s: float = 120.0):
-    """Both replicas' co-servers, built concurrently: each backward waits for its peer's to
+def start(base_path, samples, port, timeout_s: float = 120.0, root=None, world_size: int = 2):
+    """Every replica's co-server, built concurrently: each backward waits for its peers' to
     form the group (``timeout_s``: the group's, for a peer in a collective too)."""
-    cos: list[CoServer | None] = [None, None]
+    cos: list[CoServer | None] = [None] * world_size
     errors: list[BaseException] = []
-    models = [fx.model(base_path) for _ in range(2)]
+    models = [fx.model(base_path) for _ in range(world_size)]
 
     def build(rank: int) -> None:
         try:
-            cos[rank] = CoServer.for_model(dp_config(rank, port=port, timeout_s=timeout_s),
-                                           fx.LIMITS,
+            config = dp_config(rank, world_size, port=port, timeout_s=timeout_s, root=root)
+            cos[rank] = CoServer.for_model(config, fx.LIMITS,
                                            models[rank], samples,
                                            base_model=str(base_path),
                                            latency_model=fx.latency_model())
         except BaseException as e:  # re-raised on the test thread
             errors.append(e)
 
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(world_size)]
     for t in threads:
         t.start()
     for t in threads:

@@ -122,7 +122,8 @@ def _attach(hosts: Sequence[BaseHost], inputs: RunInputs, spec: SystemSpec, slo:
     port = free_port()
 
     def attach(rank: int) -> Callable[[], CoServer]:
-        config = coserve_config(spec, bench_training(cfg, slo, root / f"replica-{rank}"))
+        # one checkpoint root for the group: rank 0 writes there, every rank's log too
+        config = coserve_config(spec, bench_training(cfg, slo, root))
         b = config.backward
         config = replace(config, backward=replace(b, threads=b.threads or threads),
                          data_parallel=DataParallelConfig(n, rank, master_port=port))
@@ -189,9 +190,9 @@ def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
                         latency_kinds=errors_by_kind(lms[0], min_s), replicas=replicas)
         if cos:
             _on_threads([lambda h=h: h.detach(drain=False, checkpoint=True) for h in hosts])
-            latest = find_latest(root / "replica-0")
+            latest = find_latest(root)
             run.adapter_dir = str(latest) if latest else None
-            run.train_log = str(root / "replica-0" / "train_log.jsonl")
+            run.train_log = str(root / "train_log.jsonl")  # rank 0's
         return run
     finally:
         # detach any co-server still attached (an error path) on every replica at once: each

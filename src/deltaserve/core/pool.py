@@ -217,26 +217,35 @@ class SamplePool:
                 f"must be distinct sample ids in [0, {n})")
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state``. A data-parallel replica's pool also takes an unsharded state
+        (the group's, :mod:`deltaserve.train.group_ledger`, of any number of replicas): its
+        shard of the epoch, less what the group committed. When that leaves it nothing, its
+        share of the epoch is trained and it enters the next (holding back, as after its last
+        step). Its totals then count its own commits from the resume on."""
         self.check_state(state)
         require(state["num_samples"] == len(self._lengths), "num_samples", state["num_samples"],
                 f"the checkpoint was made for a dataset of {state['num_samples']} samples, "
                 f"this one has {len(self._lengths)}")
-        require(state.get("shard") == self._shard_key(), "pool.shard", state.get("shard"),
-                f"the checkpoint was made for data-parallel shard {state.get('shard')} "
-                f"([rank, world_size, seed]), this pool has {self._shard_key()}")
+        group = self.shard is not None and state.get("shard") is None
+        require(group or state.get("shard") == self._shard_key(), "pool.shard",
+                state.get("shard"), f"the checkpoint was made for data-parallel shard "
+                f"{state.get('shard')} ([rank, world_size, seed]), this pool has "
+                f"{self._shard_key()}")
         finished = state["num_epochs"] is not None and state["epoch"] >= state["num_epochs"]
         # a finished pool still holds the last epoch's samples, all committed
         members_epoch = state["epoch"] - 1 if finished else state["epoch"]
         committed = set(state["committed"])
         if self.shard is not None:
-            others = committed - set(self.shard.ids(len(self._lengths), members_epoch))
-            require(not others, "pool.committed", sorted(others),
+            mine = set(self.shard.ids(len(self._lengths), members_epoch))
+            others = committed - mine
+            require(group or not others, "pool.committed", sorted(others),
                     "holds samples of another data-parallel shard")
+            committed &= mine
         self.num_epochs = state["num_epochs"]
         self.seed = state["seed"]
         self._epoch = state["epoch"]
-        self._tokens_total = state["tokens_committed_total"]
-        self._samples_total = state["samples_committed_total"]
+        self._tokens_total = 0 if group else state["tokens_committed_total"]
+        self._samples_total = 0 if group else state["samples_committed_total"]
         self._state = [_State.AVAILABLE] * len(self._lengths)
         self._buckets, self._sorted_lens = {}, []
         self._num_claimed = 0
@@ -244,11 +253,15 @@ class SamplePool:
         for sid in committed:
             self._state[sid] = _State.COMMITTED
         self._num_committed = len(committed)
-        if not finished:
-            # the epoch's own shuffle, less what is committed: the remaining samples come out
-            # in the order the uninterrupted epoch would have given them
-            order = self._epoch_order(members)
-            self._fill([i for i in order if i not in committed], shuffle=False)
+        if finished:
+            return
+        if self._num_committed == self._num_members:  # this shard's part of the epoch is trained
+            self._next_epoch()
+            return
+        # the epoch's own shuffle, less what is committed: the remaining samples come out
+        # in the order the uninterrupted epoch would have given them
+        order = self._epoch_order(members)
+        self._fill([i for i in order if i not in committed], shuffle=False)
 
     # ---- internals --------------------------------------------------------------------------
     def _claimed_ids(self, ids: Iterable[int], action: str) -> list[int]:

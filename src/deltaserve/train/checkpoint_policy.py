@@ -7,17 +7,27 @@ it is counted, reported as a :class:`TrainingIOError` event, and retried later. 
 succeeds the checkpointer is *blocked*: the co-server launches no backward job, so no more
 training accumulates than the last durable checkpoint plus what is in flight, and no sample is
 lost (uncommitted samples stay in the pool, captured ones wait for the backward).
+
+Data parallel: the replicas share one checkpoint root (a filesystem every rank sees), and only
+rank 0 writes checkpoints there, with the group's ledger as the pool state
+(:mod:`deltaserve.train.group_ledger`); every rank resumes from them. Each rank writes its own
+training log (``train_log.jsonl`` on rank 0, ``train_log.rank-<r>.jsonl`` on the others).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
+import torch
+
+from deltaserve.core.errors import require
 from deltaserve.model.config import ModelConfig
-from deltaserve.model.lora import AdapterWeights
+from deltaserve.model.lora import AdapterWeights, LoRAConfig
 from deltaserve.train.checkpoint_store import (
+    Checkpoint,
     CheckpointConfig,
     CheckpointStore,
     Resumed,
@@ -31,15 +41,26 @@ from deltaserve.train.events import (
 )
 from deltaserve.train.optim import OptimizerState
 
+logger = logging.getLogger("deltaserve")
+
+
+def log_name(rank: int) -> str:
+    return "train_log.jsonl" if rank == 0 else f"train_log.rank-{rank}.jsonl"
+
 
 class Checkpointer:
-    def __init__(self, config: CheckpointConfig, base_model: str, fingerprint: str):
+    """``rank``: this data-parallel replica's (0 for one replica); only rank 0 writes
+    checkpoints, every rank reads them."""
+
+    def __init__(self, config: CheckpointConfig, base_model: str, fingerprint: str,
+                 rank: int = 0):
         self.config = config
         self.base_model = base_model
         self.fingerprint = fingerprint
-        self.log_path = Path(config.root) / "train_log.jsonl" if config.root else None
+        self.writer = rank == 0
+        self.log_path = Path(config.root) / log_name(rank) if config.root else None
         self.store = CheckpointStore(config.root, config.keep) if config.root else None
-        if self.store is not None:
+        if self.store is not None and self.writer:
             self.store.clean_stale()  # what a crash mid-save left behind
         self.io_errors = 0
         self._unwritten: list[str] = []  # log lines the disk refused, oldest first
@@ -57,8 +78,9 @@ class Checkpointer:
 
     def save(self, step: int, adapter: AdapterWeights, optimizer: OptimizerState,
              pool_state: dict) -> TrainingEvent | None:
-        """Write a checkpoint of the committed state; a failure becomes an event."""
-        if self.store is None:
+        """Write a checkpoint of the committed state (rank 0 only); a failure becomes an
+        event."""
+        if self.store is None or not self.writer:
             return None
         try:
             path = self.store.save(step, adapter, optimizer, pool_state, self.base_model,
@@ -94,6 +116,27 @@ class Checkpointer:
             ck = read_checkpoint(self.config.resume_from, model)
             return Resumed(ck, f"resume_from={self.config.resume_from}", ())
         return self.store.resume(model)
+
+    def restore(self, model: ModelConfig, lora: LoRAConfig, adapter: AdapterWeights,
+                optimizer: OptimizerState) -> Checkpoint | None:
+        """Load the checkpoint :meth:`resume` takes into ``adapter`` and ``optimizer``, once it
+        is checked to be of this dataset and LoRA config; it is returned for its pool state and
+        step (None: a fresh start, nothing changed)."""
+        resumed = self.resume(model)
+        if resumed is None:
+            return None
+        ck = resumed.checkpoint
+        if resumed.passed_over:
+            logger.warning("resume: %s (passed over: %s)", resumed.reason,
+                           "; ".join(resumed.passed_over))
+        require(ck.trainer_state["dataset_fingerprint"] == self.fingerprint, "resume",
+                str(ck.path), "the checkpoint was made on another dataset or tokenization")
+        require(ck.adapter.config == lora, "resume", str(ck.path),
+                f"the checkpoint's LoRA config {ck.adapter.config} differs from {lora}")
+        with torch.no_grad():
+            adapter.flat.copy_(ck.adapter.flat)
+        optimizer.load_state_dict_(ck.optimizer)
+        return ck
 
     def _flush_log(self) -> TrainingEvent | None:
         assert self.log_path is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def writable_dir(path: str | os.PathLike, field: str) -> Path:
         raise InputError(field, str(path), "exists and is not a directory")
     try:
         p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".deltaserve-write-check-{os.getpid()}"
+        # per thread: replicas in one process check their shared root concurrently
+        probe = p / f".deltaserve-write-check-{os.getpid()}-{threading.get_ident()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:

@@ -30,7 +30,6 @@ import torch
 from deltaserve.core.admission import AdmissionPlan
 from deltaserve.core.contract import TrainingRows
 from deltaserve.core.data import TrainingSample
-from deltaserve.core.errors import require
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.train.backward.driver import (
@@ -59,6 +58,7 @@ from deltaserve.train.events import (
     TrainingStopped,
     ValidationLoss,
 )
+from deltaserve.train.group_ledger import GroupLedger
 from deltaserve.train.group_steps import GroupSteps, Share, Votes
 from deltaserve.train.lost_steps import LostSteps, TrainingFailed, reason_summary
 from deltaserve.train.optim import OptimizerState
@@ -85,7 +85,11 @@ class Trainer(GrantDelegation):
         self.buffer = ActivationBuffer(BufferConfig(book.ledger.capacity_tokens, b.buffer_save,
                                                     b.buffer_offload),
                                        model.config, model.weights.dtype, device)
-        self.checkpointer = Checkpointer(config.checkpoint, base_model, book.fingerprint)
+        dp = config.data_parallel
+        self.checkpointer = Checkpointer(config.checkpoint, base_model, book.fingerprint,
+                                         dp.rank)
+        self.group = GroupSteps(dp.world_size) if dp.distributed else None
+        self.ledger = GroupLedger(book.pool) if dp.distributed else None
         self.optimizer_steps, self.resumed_from = 0, None
         self._restore(model)
         if device.type == "cpu":
@@ -93,8 +97,6 @@ class Trainer(GrantDelegation):
             self.adapter.share_memory_()
         self.optimizer_state.share_memory_()
         guard = PublishGuard(self.adapter.flat, self.adapter.numel).share_memory_()
-        dp = config.data_parallel
-        self.group = GroupSteps(dp.world_size) if dp.distributed else None
         self._closing = False  # close() began: this replica submits no new real work
         self._votes: dict[int, Votes] = {}  # the in-flight step's votes, by step
         self.backward = BackwardDriver(b, WorkerSpec(config.lora, config.optimizer, b.threads,
@@ -231,6 +233,8 @@ class Trainer(GrantDelegation):
         votes = self._votes.pop(ev.step, None)
         if self.group is not None and votes is not None:
             self.group.observe(votes, ev.group_epoch_open, ev.group_staying)
+        if self.ledger is not None:
+            self.ledger.record(ev.group_sample_ids)
         self.lost.committed()
         if not ev.stepped:  # every replica's share was empty: no optimizer step anywhere
             return
@@ -260,8 +264,10 @@ class Trainer(GrantDelegation):
     # ---- checkpoints and events -------------------------------------------------------------
     def save_checkpoint(self) -> None:
         """Checkpoint the last committed step (a failure is reported, never raised)."""
+        # data parallel: the group's progress (rank 0 writes it once for every replica)
+        pool = self.ledger.state_dict() if self.ledger is not None else self.book.pool.state_dict()
         ev = self.checkpointer.save(self.optimizer_steps, self.adapter, self.optimizer_state,
-                                    self.book.pool.state_dict())
+                                    pool)
         if ev is not None:
             self._emit(ev)
 
@@ -291,22 +297,17 @@ class Trainer(GrantDelegation):
                 logger.exception("a training-event listener failed on %s", type(event).__name__)
 
     def _restore(self, model: LlamaModel) -> None:
-        resumed = self.checkpointer.resume(model.config)
-        if resumed is None:
+        ck = self.checkpointer.restore(model.config, self.config.lora, self.adapter,
+                                       self.optimizer_state)
+        if ck is None:
             return
-        ck = resumed.checkpoint
-        if resumed.passed_over:
-            logger.warning("resume: %s (passed over: %s)", resumed.reason,
-                           "; ".join(resumed.passed_over))
-        require(ck.trainer_state["dataset_fingerprint"] == self.book.fingerprint, "resume",
-                str(ck.path), "the checkpoint was made on another dataset or tokenization")
-        require(ck.adapter.config == self.config.lora, "resume", str(ck.path),
-                f"the checkpoint's LoRA config {ck.adapter.config} differs from "
-                f"{self.config.lora}")
-        with torch.no_grad():
-            self.adapter.flat.copy_(ck.adapter.flat)
-        self.optimizer_state.load_state_dict_(ck.optimizer)
-        self.book.pool.load_state_dict(ck.trainer_state["pool"])
+        pool_state = ck.trainer_state["pool"]
+        self.book.pool.load_state_dict(pool_state)
+        if self.ledger is not None and self.group is not None:
+            self.ledger.load_state_dict(pool_state)
+            # this replica's share of the group's epoch is trained: it holds back, as after
+            # its last step of the epoch, until its peers' shares are
+            self.group.share_done = self.book.pool.epoch > self.ledger.epoch
         self.optimizer_steps, self.resumed_from = ck.step, str(ck.path)
 
     # ---- shutdown ---------------------------------------------------------------------------

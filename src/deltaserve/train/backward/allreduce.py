@@ -22,6 +22,10 @@ on whether the group steps on (:mod:`deltaserve.train.group_steps`), summed in t
 collective. A step in which no replica had a loss token (``N = 0``) takes no optimizer step on
 any replica.
 
+After the all-reduce every rank gathers every rank's sample ids of the step (a second, small
+collective), so each replica knows what the group's adapter holds: the group's ledger
+(:mod:`deltaserve.train.group_ledger`), which rank 0's checkpoint records once for the group.
+
 The group uses the standard env rendezvous (``MASTER_ADDR``/``MASTER_PORT``, rank and world size
 given explicitly), so torchrun-launched replicas and several machines work the same way.
 """
@@ -54,6 +58,7 @@ class ReducedGradient:
     seconds: float  # spent in the all-reduce, waiting for the slowest peer included
     epoch_open: int = 0  # replicas that voted to have samples of the epoch left
     staying: int = 0  # replicas that voted to submit another real step
+    group_sample_ids: tuple[int, ...] = ()  # every replica's samples of the step, rank order
 
 
 def backend_for(config: DataParallelConfig, device: torch.device) -> str:
@@ -92,18 +97,21 @@ class GradientAllReduce:
                 f"differ): every replica must start from the same seed or checkpoint")
 
     def reduce_(self, grad: torch.Tensor, num_loss_tokens: int, epoch_open: bool = True,
-                staying: bool = True) -> ReducedGradient:
+                staying: bool = True, sample_ids: tuple[int, ...] = ()) -> ReducedGradient:
         """Replace ``grad`` (of this replica's mean loss over ``num_loss_tokens`` tokens; zero
         for an empty share) with the gradient of the global batch's mean loss, in one
-        collective that also sums the replicas' votes."""
+        collective that also sums the replicas' votes; then gather every replica's
+        ``sample_ids`` of the step."""
         t0 = time.perf_counter()
         # the count and the votes ride in the gradient's own buffer (fp32: exact integers
         # below 2**24 tokens a step)
         tail = torch.tensor([float(num_loss_tokens), float(epoch_open), float(staying)],
                             device=grad.device, dtype=grad.dtype)
         packed = torch.cat([grad.reshape(-1) * num_loss_tokens, tail])
+        shares: list[list[int] | None] = [None] * self.config.world_size
         try:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+            dist.all_gather_object(shares, list(sample_ids))
         except Exception as e:
             # the ranks are out of step now (a peer died, or one gave up waiting): no later
             # collective of this group can pair up, and a new member cannot join it
@@ -115,7 +123,8 @@ class GradientAllReduce:
             grad.copy_(packed[:-3].reshape(grad.shape).div_(total))
         else:  # every share was empty: nothing to learn, no step anywhere
             grad.zero_()
-        return ReducedGradient(total, time.perf_counter() - t0, opened, stay)
+        group_ids = tuple(sid for share in shares for sid in share or ())
+        return ReducedGradient(total, time.perf_counter() - t0, opened, stay, group_ids)
 
     def close(self) -> None:
         # a broken group is left to the process's exit (tearing it down may wait on the peer

@@ -57,6 +57,8 @@ class BackwardDone:
     group_epoch_open: int = 0
     group_staying: int = 0
     stepped: bool = True
+    # data parallel: every replica's samples of this step (this one's included), in rank order
+    group_sample_ids: tuple[int, ...] = ()
 
     @property
     def mean_token_accuracy(self) -> float:

@@ -105,7 +105,8 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
             opt.zero_grad(set_to_none=True)
             return BackwardDone(job.step, (), 0, 0, 0.0, 0.0, spec.optimizer.lr_at(job.step),
                                 time.perf_counter() - t0, stats.paused_s, 0, reduced.seconds,
-                                reduced.epoch_open, reduced.staying, stepped=False)
+                                reduced.epoch_open, reduced.staying, stepped=False,
+                                group_sample_ids=reduced.group_sample_ids)
     max_norm = spec.optimizer.max_grad_norm
     if max_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_([trainable.flat], max_norm))
@@ -120,7 +121,8 @@ def run_job(model: LlamaModel, trainable: AdapterWeights, opt: torch.optim.Optim
     return BackwardDone(job.step, tuple(s.sample_id for s in job.samples), job.num_tokens,
                         stats.num_loss_tokens, stats.loss, grad_norm, lr,
                         time.perf_counter() - t0, stats.paused_s, stats.num_correct,
-                        reduced.seconds, reduced.epoch_open, reduced.staying)
+                        reduced.seconds, reduced.epoch_open, reduced.staying,
+                        group_sample_ids=reduced.group_sample_ids)
 
 
 class _Worker:
@@ -173,7 +175,8 @@ class _Worker:
         assert self.group is not None
         self.parked.value = 1
         try:
-            reduced = self.group.reduce_(grad, num_loss_tokens, job.epoch_open, job.staying)
+            reduced = self.group.reduce_(grad, num_loss_tokens, job.epoch_open, job.staying,
+                                         tuple(s.sample_id for s in job.samples))
         finally:
             self.parked.value = 0
         self.wait_grant(-1)

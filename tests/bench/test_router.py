@@ -14,14 +14,14 @@ import pytest
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.replay import PromptSource, ReplicaFailed, replay_fleet
-from deltaserve.bench.router import (
+from deltaserve.core.errors import InputError
+from deltaserve.core.router import (
     ROUTERS,
     LeastLoaded,
     NoLiveReplica,
     RoundRobin,
     create_router,
 )
-from deltaserve.core.errors import InputError
 from deltaserve.workloads.trace import from_arrivals
 from tests.bench.test_replay import FakeHost
 

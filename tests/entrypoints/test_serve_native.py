@@ -42,6 +42,9 @@ def test_serve_flags_come_from_the_config_tree():
     (["--port", "70000"], "--port=70000"),
     (["/no/such/model"], "MODEL='/no/such/model'"),
     (["--latency-model", "/no/such.json"], "--latency-model='/no/such.json'"),
+    (["--replicas", "0"], "--replicas=0"),
+    (["--replicas", "4096"], "--replicas=4096"),
+    (["--router", "random"], "--router='random'"),
 ])
 def test_serve_rejects_bad_input_before_any_model_loads(argv, named, tmp_path, capsys):
     """Each error names the flag and its value; none loads a model (the built-in model would

@@ -20,6 +20,7 @@ from deltaserve.entrypoints.serve_native import (
     HostLoop,
     ServeConfig,
     Service,
+    host_loops,
     start_service,
     validate,
 )
@@ -82,13 +83,14 @@ class RealServer:
     config: ServeConfig
     app: FastAPI
     service: Service
-    loop: HostLoop
+    loops: list[HostLoop]
     server: uvicorn.Server
     thread: threading.Thread
 
     @property
     def host(self) -> LLMEngine:
-        return self.service.host
+        """The first replica's engine (the only one, unless ``--replicas``)."""
+        return self.service.hosts[0]
 
     @property
     def port(self) -> int:
@@ -110,21 +112,23 @@ class RealServer:
         """What SIGTERM does: the running job is checkpointed and paused, then the host."""
         self.server.should_exit = True
         self.thread.join(120)
-        self.loop.stop()
-        self.host.close()
+        for loop in self.loops:
+            loop.stop()
+        for host in self.service.hosts:
+            host.close()
         assert not self.thread.is_alive(), "the server did not stop"
 
 
 def start_real_server(config: ServeConfig) -> RealServer:
     service = start_service(config, validate(config))
-    loop = HostLoop(service.host).start()
-    app = create_app(config.server, service.host, service.runner, service.stats)
+    loops = host_loops(service)
+    app = create_app(config.server, service.backend, service.runner, service.stats)
     server = uvicorn.Server(uvicorn.Config(app, host=config.server.bind, port=0,
                                            log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 60, "the server to start")
-    return RealServer(config, app, service, loop, server, thread)
+    return RealServer(config, app, service, loops, server, thread)
 
 
 def task_files(num_train: int, num_valid: int = 0, seed: int = 0) -> tuple[bytes, bytes]:

@@ -104,7 +104,8 @@ class _FailingJobHost:
         self.detached.append((drain, checkpoint))
 
 
-def test_a_job_whose_training_gave_up_fails_with_the_reason(tmp_path):
+@pytest.mark.parametrize("cause", [None, "the data-parallel group lost a member"])
+def test_a_job_whose_training_gave_up_fails_with_the_reason(tmp_path, cause):
     from deltaserve.core.slo import SLOConfig
     from deltaserve.server.coserving_runner import CoServingRunner
     from deltaserve.server.protocols import (
@@ -123,10 +124,14 @@ def test_a_job_whose_training_gave_up_fails_with_the_reason(tmp_path):
     reason = "ValueError: the batch has no response tokens to learn from"
     for listener in host.listeners:
         listener(StepLost(0.0, 0, 4, "Traceback ...\n" + reason))
-        listener(TrainingStopped(0.0, reason, 5))
+        listener(TrainingStopped(0.0, reason, 5 if cause is None else 1, cause))
     events = runner.poll()
     assert isinstance(events[0], NoticeEvent)  # the lost step
     assert isinstance(events[-1], FailedEvent) and events[-1].code == "training_failed"
-    assert reason in events[-1].message and "5 optimizer steps" in events[-1].message
+    assert reason in events[-1].message
+    if cause is None:
+        assert "5 optimizer steps in a row" in events[-1].message
+    else:  # a group that lost a member stops at its first lost step: no run of them
+        assert cause in events[-1].message and "in a row" not in events[-1].message
     assert host.detached == [(False, True)]  # detached: the host serves inference alone
     assert runner.poll() == []

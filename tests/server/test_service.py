@@ -166,7 +166,7 @@ def test_bad_input_is_refused_with_the_reason(real):
 
 def test_the_real_parts_satisfy_the_service_protocols(real):
     s = real.service
-    assert isinstance(s.host, InferenceBackend) and isinstance(s.runner, TrainingRunner)
+    assert isinstance(s.backend, InferenceBackend) and isinstance(s.runner, TrainingRunner)
     assert isinstance(s.stats, ServingStats)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from deltaserve.bench.router import DEFAULT_ROUTER, check_router
 from deltaserve.core.errors import InputError, require
+from deltaserve.core.router import DEFAULT_ROUTER, check_router
 from deltaserve.hosts.config import HostConfig
 from deltaserve.hosts.registry import HOSTS, check_host_device
 from deltaserve.model.lora import LoRAConfig
@@ -50,7 +50,7 @@ class BenchConfig:
 
     ``replicas``: every system runs as this many data-parallel replicas of the host (the
     native host only), each on ``threads // replicas`` threads with its own engine and
-    co-server, their requests split by ``router`` (:data:`deltaserve.bench.router.ROUTERS`:
+    co-server, their requests split by ``router`` (:data:`deltaserve.core.router.ROUTERS`:
     ``round-robin``, or ``least-loaded``, the replica with the fewest requests in flight) and
     their backward processes one ``torch.distributed`` group training one adapter
     (:mod:`deltaserve.bench.replicas`)."""

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from deltaserve.bench.router import NoLiveReplica, RoundRobin, Router
 from deltaserve.core.contract import StepRecord
 from deltaserve.core.errors import require
 from deltaserve.core.requests import RequestOutput, SamplingParams
+from deltaserve.core.router import NoLiveReplica, RoundRobin, Router
 from deltaserve.hosts.base import BaseHost
 from deltaserve.workloads.trace import Trace
 

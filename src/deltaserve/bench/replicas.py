@@ -9,7 +9,7 @@ joins one gloo group of the N backward processes (rendezvous on a free local por
 gradient, so the replicas train one adapter (:mod:`deltaserve.train.group_steps` keeps their
 steps in lock-step). The replicas attach, and detach, concurrently: the group forms, and lets
 its members go, only with all of them. One client replays the trace, routing each request by
-``--router`` (:mod:`deltaserve.bench.router`: request i to replica ``i mod N``, or to the one
+``--router`` (:mod:`deltaserve.core.router`: request i to replica ``i mod N``, or to the one
 with the fewest requests in flight); every replica's loop runs until the window closes. A
 replica whose loop fails is routed around until the window closes, and the run then fails
 (:class:`~deltaserve.bench.replay.ReplicaFailed`): a failed replica is never scored as an idle
@@ -27,9 +27,7 @@ a scored run (a failed one fails the run).
 
 from __future__ import annotations
 
-import socket
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,13 +38,14 @@ from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_kind
 from deltaserve.bench.outcome import Commit, HardwareShare, ReplicaRun, SystemRun
 from deltaserve.bench.prepare import make_host
 from deltaserve.bench.replay import ReplayResult, replay_fleet
-from deltaserve.bench.router import create_router
 from deltaserve.bench.systems import SystemSpec
 from deltaserve.core.errors import require
+from deltaserve.core.router import create_router
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.base import BaseHost
+from deltaserve.hosts.replica_group import at_once, attach_group, detach_group
 from deltaserve.train.checkpoint_store import find_latest
-from deltaserve.train.config import DataParallelConfig, GrantPolicy
+from deltaserve.train.config import GrantPolicy
 from deltaserve.train.events import OptimizerStep, TrainingEvent
 from deltaserve.train.facade import CoServer
 
@@ -70,36 +69,6 @@ def check_replicas(cfg: BenchConfig, specs: Sequence[SystemSpec], threads: int) 
                 f"cores that replicas of one thread do not have")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _on_threads(calls: Sequence[Callable[[], object]]) -> list[object]:
-    """Run ``calls`` concurrently (each replica's attach or detach: a group forms and ends
-    only with all its members) and return their results; the first error is raised after all
-    have ended."""
-    out: list[object] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = calls[i]()
-        except BaseException as e:  # re-raised on the caller's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"replica-{i}")
-               for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
-
-
 def _record(co: CoServer) -> tuple[list[Commit], list[float]]:
     """The co-server's commits from now on, and each step's all-reduce seconds."""
     commits: list[Commit] = []
@@ -117,22 +86,13 @@ def _record(co: CoServer) -> tuple[list[Commit], list[float]]:
 def _attach(hosts: Sequence[BaseHost], inputs: RunInputs, spec: SystemSpec, slo: SLOConfig,
             root: Path, threads: int) -> list[CoServer]:
     """Every replica's co-server, rank r of N, each backward on ``threads`` (the replica's
-    share; stated, since an attaching thread's own torch count is OpenMP's default)."""
-    cfg, n = inputs.cfg, len(hosts)
-    port = free_port()
-
-    def attach(rank: int) -> Callable[[], CoServer]:
-        # one checkpoint root for the group: rank 0 writes there, every rank's log too
-        config = coserve_config(spec, bench_training(cfg, slo, root))
-        b = config.backward
-        config = replace(config, backward=replace(b, threads=b.threads or threads),
-                         data_parallel=DataParallelConfig(n, rank, master_port=port))
-        return lambda: hosts[rank].attach(dataset=inputs.data.samples, config=config,
-                                          latency_model=hosts[rank].latency_model,
-                                          scheduler_cls=spec.scheduler_cls, progress=False)
-
-    return [co for co in _on_threads([attach(r) for r in range(n)])
-            if isinstance(co, CoServer)]
+    share; stated, since an attaching thread's own torch count is OpenMP's default), one
+    checkpoint root for the group (rank 0 writes there, every rank its log)."""
+    config = coserve_config(spec, bench_training(inputs.cfg, slo, root))
+    b = config.backward
+    config = replace(config, backward=replace(b, threads=b.threads or threads))
+    return attach_group(hosts, config, dataset=inputs.data.samples,
+                        scheduler_cls=spec.scheduler_cls)
 
 
 def fleet_result(results: Sequence[ReplayResult]) -> ReplayResult:
@@ -189,7 +149,7 @@ def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
                         HardwareShare(inputs.threads, per, 0), slo_scale,
                         latency_kinds=errors_by_kind(lms[0], min_s), replicas=replicas)
         if cos:
-            _on_threads([lambda h=h: h.detach(drain=False, checkpoint=True) for h in hosts])
+            detach_group(hosts, drain=False, checkpoint=True)
             latest = find_latest(root)
             run.adapter_dir = str(latest) if latest else None
             run.train_log = str(root / "train_log.jsonl")  # rank 0's
@@ -197,4 +157,4 @@ def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
     finally:
         # detach any co-server still attached (an error path) on every replica at once: each
         # sends its peers empty shares until all have closed
-        _on_threads([lambda h=h: h.close() for h in hosts])
+        at_once([lambda h=h: h.close() for h in hosts])

@@ -7,20 +7,29 @@ a ``.gguf`` or a built-in name, with a tokenizer). Only then does the engine loa
 calibrated once (or the latency model is loaded) and that model serves every job, refitting
 online. The host's loop runs on its own thread for the server's lifetime; each job attaches its
 own co-server to it (:class:`~deltaserve.server.coserving_runner.CoServingRunner`).
+
+``--replicas N``: N engines in this process, each on its share of the CPU threads and its own
+copy of the latency model (calibrated once, on the first), each with its own loop thread,
+behind one router and one job queue whose jobs train data-parallel across every replica
+(:mod:`deltaserve.server.replicas`).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from deltaserve.core.calibration import CalibrationConfig
 from deltaserve.core.errors import InputError, require
 from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.router import DEFAULT_ROUTER, check_router, create_router
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.native.config import EngineConfig
 from deltaserve.hosts.native.engine import LLMEngine
@@ -29,6 +38,8 @@ from deltaserve.server.config import ServerConfig
 from deltaserve.server.coserving_runner import CoServingRunner
 from deltaserve.server.data_dir import DataDir
 from deltaserve.server.hyperparameters import job_defaults
+from deltaserve.server.protocols import InferenceBackend
+from deltaserve.server.replicas import ReplicaBackend, replica_runner
 from deltaserve.server.run import run_server
 from deltaserve.server.serving_stats import HostServingStats
 from deltaserve.train.config import CoServeConfig
@@ -52,13 +63,22 @@ class ServeConfig:
                                    metadata={"prefix": "", "skip": ("seed", "checkpoint")})
     latency_model: str | None = None
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    replicas: int = 1
+    router: str = DEFAULT_ROUTER
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.replicas, int) and self.replicas >= 1, "replicas",
+                self.replicas, "must be an integer >= 1")
+        check_router(self.router)
 
 
 @dataclass(frozen=True)
 class Service:
-    """A started host with its runner and statistics (what ``create_app`` serves)."""
+    """Started hosts (one per replica) with the backend, runner and statistics that
+    ``create_app`` serves."""
 
-    host: LLMEngine
+    hosts: tuple[LLMEngine, ...]
+    backend: InferenceBackend
     runner: CoServingRunner
     stats: HostServingStats
 
@@ -96,6 +116,9 @@ def validate(config: ServeConfig) -> LatencyModel | None:
     latency = _flagged("--latency-model", path, lambda: LatencyModel.load(path)) \
         if path else None
     check_port(s.bind, s.port)
+    cpus = len(os.sched_getaffinity(0))
+    require(config.replicas <= cpus, "--replicas", config.replicas,
+            f"each replica needs a CPU thread of its own; this process has {cpus}")
     model = config.host.model
     local = _flagged("MODEL", model, lambda: resolve_model(model))
     require((local / "tokenizer_config.json").is_file(), "MODEL", model,
@@ -104,33 +127,48 @@ def validate(config: ServeConfig) -> LatencyModel | None:
 
 
 def start_service(config: ServeConfig, latency: LatencyModel | None = None) -> Service:
-    """Load the engine, calibrate it once (unless ``latency`` is given), build the runner."""
-    host = LLMEngine(config.host)
+    """Load the engines, calibrate once (unless ``latency`` is given), build the runner."""
+    n = config.replicas
+    engine = config.host
+    if n > 1 and engine.num_threads is None:
+        engine = replace(engine, num_threads=max(1, len(os.sched_getaffinity(0)) // n))
+    hosts = tuple(LLMEngine(engine) for _ in range(n))
     if latency is None:
         log.info("calibrating the latency model (once; every job reuses it)")
-        latency = host.calibrate(config.coserve.lora, config.calibration,
-                                 config.coserve.latency, seed=config.host.seed, progress=True)
-    host.latency_model = latency  # refit from inference-only steps between jobs
-    host.request_counters.set_slo(config.coserve.slo)
-    limits = host.limits
-    runner = CoServingRunner(host, config.coserve, latency,
-                             min(limits.max_tokens_per_step, limits.max_model_len))
-    return Service(host, runner, HostServingStats(host, runner))
+        latency = hosts[0].calibrate(config.coserve.lora, config.calibration,
+                                     config.coserve.latency, seed=engine.seed, progress=True)
+    for i, host in enumerate(hosts):
+        # each refits online from its own steps
+        host.latency_model = latency if i == 0 else copy.deepcopy(latency)
+        host.request_counters.set_slo(config.coserve.slo)
+    limits = hosts[0].limits
+    max_sample_tokens = min(limits.max_tokens_per_step, limits.max_model_len)
+    if n == 1:
+        backend: InferenceBackend = hosts[0]
+        runner = CoServingRunner(hosts[0], config.coserve, latency, max_sample_tokens)
+    else:
+        backend = ReplicaBackend(hosts, create_router(config.router, n))
+        runner = replica_runner(hosts, config.coserve, max_sample_tokens)
+    return Service(hosts, backend, runner, HostServingStats(hosts, runner))
 
 
 class HostLoop:
-    """The host's stepping thread, for the server's lifetime."""
+    """The host's stepping thread, for the server's lifetime. ``on_failure``: called once if
+    the loop raises (a replica's: the router goes around it)."""
 
-    def __init__(self, host: LLMEngine):
+    def __init__(self, host: LLMEngine, on_failure: Callable[[], None] | None = None):
         self.host = host
+        self.on_failure = on_failure
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deltaserve-host", daemon=True)
 
     def _run(self) -> None:
         try:
             self.host.run_loop(self._stop)
-        except Exception:  # an engine bug: nothing can serve any more
-            log.critical("the host's loop stopped; inference is down", exc_info=True)
+        except Exception:  # an engine bug: this engine serves no more
+            log.critical("the host's loop stopped; its inference is down", exc_info=True)
+            if self.on_failure is not None:
+                self.on_failure()
 
     def start(self) -> HostLoop:
         self._thread.start()
@@ -141,13 +179,23 @@ class HostLoop:
         self._thread.join(60)
 
 
+def host_loops(service: Service) -> list[HostLoop]:
+    """Every host's loop, started; a replica's failure marks it down in the router."""
+    backend = service.backend
+    return [HostLoop(host, functools.partial(backend.replica_down, i)
+                     if isinstance(backend, ReplicaBackend) else None).start()
+            for i, host in enumerate(service.hosts)]
+
+
 def serve(config: ServeConfig) -> None:
     """Validate, start, serve until SIGINT/SIGTERM (the running job is paused), stop."""
     latency = validate(config)
     service = start_service(config, latency)
-    loop = HostLoop(service.host).start()
+    loops = host_loops(service)
     try:
-        run_server(config.server, service.host, service.runner, service.stats)
+        run_server(config.server, service.backend, service.runner, service.stats)
     finally:
-        loop.stop()
-        service.host.close()
+        for loop in loops:
+            loop.stop()
+        for host in service.hosts:
+            host.close()

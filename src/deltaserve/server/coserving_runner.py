@@ -249,9 +249,10 @@ class CoServingRunner:
         self._detach(job, drain=False, checkpoint=True)
         self._ready += job.events.take()
         log.error("job %s: training failed: %s", job.spec.job_id, ev.reason)
-        self._ready.append(FailedEvent("training_failed", f"training stopped after "
-                                       f"{ev.lost_steps} optimizer steps in a row were lost "
-                                       f"(none reached the adapter): {ev.reason}"))
+        why = ev.cause or (f"{ev.lost_steps} optimizer steps in a row were lost (none reached "
+                           f"the adapter)")
+        self._ready.append(FailedEvent("training_failed", f"training stopped: {why}: "
+                                       f"{ev.reason}"))
 
     def _final_adapter(self, job: _Job, step: int) -> Path:
         """The final checkpoint's PEFT directory; written separately if that checkpoint

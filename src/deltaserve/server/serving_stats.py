@@ -14,7 +14,8 @@ backward_busy_ratio             the backward's compute time (``CoServeStats.back
 ft_steps_lost                   the co-servers' lost optimizer steps by kind (``CoServeStats.
                                 steps_lost``), summed over the jobs like the counters above
 latency_model_mape              the latency model's online error (``LatencyModel.
-                                online_error``), all modes pooled, over its error window
+                                online_error``), all modes (and replicas) pooled, over its
+                                error window
 requests_finished, slo_misses,  the host's request counters (``BaseHost.request_counters``):
 requests_slo_missed,            each finished request's TTFT and longest inter-token gap
 inference_tokens                against the configured SLO
@@ -24,39 +25,53 @@ inference_tokens                against the configured SLO
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import fields
 
 from deltaserve.core.admission import Skip
 from deltaserve.core.latency_model import LatencyModel
+from deltaserve.core.request_stats import RequestTotals
 from deltaserve.hosts.base import BaseHost
 from deltaserve.server.coserving_runner import CoServingRunner
 from deltaserve.server.protocols import ServingStatsSnapshot
 
 
-def online_mape(model: LatencyModel | None) -> float | None:
-    """The online MAPE of every mode pooled, weighted by steps (None before any). Read while
-    the stepping thread records: at worst one of the window's rows is a step behind."""
-    errors = model.online_error() if model is not None else ()
+def online_mape(models: Sequence[LatencyModel | None]) -> float | None:
+    """The online MAPE of every mode of every model pooled, weighted by steps (None before
+    any). Read while the stepping threads record: at worst one of a window's rows is a step
+    behind."""
+    errors = [e for m in models if m is not None for e in m.online_error()]
     steps = sum(e.num_steps for e in errors)
     return sum(e.mape * e.num_steps for e in errors) / steps if steps else None
 
 
+def request_totals(hosts: Sequence[BaseHost]) -> RequestTotals:
+    """The hosts' request counters, summed."""
+    totals = [h.request_counters.totals() for h in hosts]
+    return RequestTotals(*(sum(getattr(t, f.name) for t in totals)
+                           for f in fields(RequestTotals)))
+
+
 class HostServingStats:
-    def __init__(self, host: BaseHost, runner: CoServingRunner):
-        self.host = host
+    """Over one host, or the replicas of ``serve --replicas`` (their request counters summed,
+    their latency models' errors pooled, the backward's busy ratio per replica)."""
+
+    def __init__(self, hosts: Sequence[BaseHost], runner: CoServingRunner):
+        self.hosts = tuple(hosts)
         self.runner = runner
         self._start_s = time.monotonic()
 
     def snapshot(self) -> ServingStatsSnapshot:
-        req = self.host.request_counters.totals()
+        req = request_totals(self.hosts)
         ft = self.runner.totals()
-        uptime_s = max(time.monotonic() - self._start_s, 1e-9)
+        uptime_s = max(time.monotonic() - self._start_s, 1e-9) * len(self.hosts)
         skips = {reason: ft.skips.get(reason.value, 0) for reason in Skip}
         return ServingStatsSnapshot(
             ft_tokens_committed=ft.tokens_committed, ft_samples_committed=ft.samples_committed,
             ft_tokens_admitted=ft.tokens_admitted, admission_skips=skips,
             steps=ft.steps_timed, step_time_predicted_s=ft.step_time_predicted_s,
             step_time_measured_s=ft.step_time_measured_s,
-            latency_model_mape=online_mape(self.host.latency_model),
+            latency_model_mape=online_mape([h.latency_model for h in self.hosts]),
             slo_misses={"ttft": req.ttft_misses, "tpot": req.tpot_misses},
             requests_finished=req.finished, requests_slo_missed=req.slo_missed,
             inference_tokens=req.output_tokens,

@@ -29,6 +29,8 @@ class OptimizerStep:
     paused_s: float
     validating: bool = False  # a ValidationLoss of this step follows
     allreduce_s: float = 0.0
+    # data parallel: every replica's samples of the global step (this one's included)
+    group_sample_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,12 +60,14 @@ class StepLost:
 @dataclass(frozen=True)
 class TrainingStopped:
     """Training gave up: ``lost_steps`` optimizer steps in a row were lost, the last for
-    ``reason`` (see :mod:`deltaserve.train.lost_steps`). The co-server admits no more samples and
+    ``reason`` (see :mod:`deltaserve.train.lost_steps`), or, where ``cause`` says so, for that
+    cause (a data-parallel group that lost a member). The co-server admits no more samples and
     submits no more jobs; inference goes on. Nothing follows it but a checkpoint at close."""
 
     at_s: float
     reason: str
     lost_steps: int
+    cause: str | None = None
 
 
 @dataclass(frozen=True)

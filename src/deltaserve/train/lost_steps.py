@@ -26,6 +26,7 @@ class TrainingFailed(RuntimeError):
     member stops at its first lost step)."""
 
     def __init__(self, reason: str, lost_steps: int, *, cause: str | None = None):
+        self.cause = cause
         cause = cause or (f"{lost_steps} optimizer steps in a row were lost and none committed "
                           f"between them")
         super().__init__(f"fine-tuning stopped: {cause}; last reason: {reason}")

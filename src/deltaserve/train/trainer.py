@@ -227,7 +227,8 @@ class Trainer(GrantDelegation):
         self.book.release_ready()
         self._validation_due = None
         logger.error("%s", failure)
-        self._emit(TrainingStopped(time.monotonic(), failure.reason, failure.lost_steps))
+        self._emit(TrainingStopped(time.monotonic(), failure.reason, failure.lost_steps,
+                                   failure.cause))
 
     def _commit(self, ev: BackwardDone) -> None:
         votes = self._votes.pop(ev.step, None)
@@ -253,7 +254,7 @@ class Trainer(GrantDelegation):
         self._emit(OptimizerStep(time.monotonic(), ev.step, epoch, ev.sample_ids, ev.num_tokens,
                                  ev.num_loss_tokens, ev.loss, ev.mean_token_accuracy,
                                  ev.grad_norm, ev.lr, ev.wall_s, ev.paused_s, validating,
-                                 ev.allreduce_s))
+                                 ev.allreduce_s, ev.group_sample_ids))
         if self.checkpointer.due(self.optimizer_steps, finished):
             self.save_checkpoint()
 

@@ -1,5 +1,6 @@
-"""How a fleet's client picks the replica for each request (``deltaserve bench --router``): one
-base class, a registry by name and a factory (:func:`create_router`).
+"""How a fleet's client picks the replica for each request (``deltaserve bench --router``; the
+front of ``deltaserve serve --replicas``): one base class, a registry by name and a factory
+(:func:`create_router`).
 
 A router sees only what a load balancer in front of serving replicas sees: the request's place
 in the trace, the requests it sent each replica that have not finished (*in flight*), and which

@@ -21,6 +21,7 @@ from deltaserve.core.shape import StepShape
 if TYPE_CHECKING:
     from deltaserve.train.config import CoServeConfig
     from deltaserve.train.events import Listener
+    from deltaserve.train.group_ledger import GroupLedger
     from deltaserve.train.samples import SampleBook
 
 
@@ -34,6 +35,7 @@ class CoTrainer(Protocol):
     optimizer_steps: int
     last_loss: float | None
     backward_busy_s: float  # seconds the backward has computed (a production counter)
+    ledger: GroupLedger | None  # data parallel: what the group's adapter holds (else None)
 
     @property
     def steps_lost(self) -> dict[str, int]:

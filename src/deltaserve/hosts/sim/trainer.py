@@ -117,6 +117,7 @@ class SimTrainer(GrantDelegation):
         self.optimizer_steps = 0
         self.last_loss: float | None = None
         self.backward_busy_s = 0.0  # simulated seconds the backward computed (not parked)
+        self.ledger = None  # the simulated host forms no data-parallel group
         self._listeners: list[Listener] = []
         self._loss: dict[int, int] = {}  # loss tokens by sample id, counted once
 

@@ -5,9 +5,11 @@ an empty share, both take the same steps, and their (bit-identical) adapter equa
 one replica's trained on the union of every global step's shares (brute force, in this
 process)."""
 
+import functools
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -76,6 +78,20 @@ def start(base_path, samples, port, timeout_s: float = 120.0, root=None, world_s
     return cos
 
 
+def run_replicas(targets: list[Callable[[], None]], errors: list[BaseException],
+                 timeout_s: float = 300.0) -> None:
+    """Run each replica's ``target`` on a thread of its own, wait for all, and raise the first
+    error one of them recorded in ``errors``."""
+    threads = [threading.Thread(target=target) for target in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a replica never finished"
+    if errors:
+        raise errors[0]
+
+
 def settle(co: CoServer) -> None:
     """Launch what is due (an owed empty share included) and wait until nothing is in flight,
     lending the backward the machine as an idle host does."""
@@ -142,15 +158,8 @@ def test_replicas_on_an_odd_dataset_take_the_same_steps_and_equal_one_replica(ba
     cos = start(base_path, samples, free_port())
     steps: list[list[OptimizerStep]] = [[], []]
     errors: list[BaseException] = []
-    threads = [threading.Thread(target=drive, args=(co, steps[r], errors))
-               for r, co in enumerate(cos)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a replica never finished"
-    if errors:
-        raise errors[0]
+    run_replicas([functools.partial(drive, co, steps[r], errors) for r, co in enumerate(cos)],
+                 errors)
     a, b = cos
     # the same global steps on both: 4 per epoch (the longer shard's), the short replica's
     # last one of every epoch an empty share

@@ -8,9 +8,9 @@ set is exactly what the events committed. Both replicas stop training with a
 :class:`TrainingStopped` naming the group (a restarted backward cannot rejoin it), soon after
 the kill rather than after retries, and neither asks its host for another training step."""
 
+import functools
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -20,7 +20,7 @@ from deltaserve.train.events import OptimizerStep, TrainingEvent, TrainingStoppe
 from deltaserve.train.facade import CoServer
 from tests.train import fixtures as fx
 from tests.train.backward.test_data_parallel import free_port
-from tests.train.test_data_parallel_coserve import SEED, start, train_idle
+from tests.train.test_data_parallel_coserve import SEED, run_replicas, start, train_idle
 
 NUM_SAMPLES = 9  # shards of 5 and 4, one sample a step
 NUM_EPOCHS = 2
@@ -81,15 +81,8 @@ def test_killing_a_replicas_backward_loses_and_doubles_no_sample(base_path, vict
     for r, co in enumerate(cos):
         co.subscribe(events[r].append)
     cos[victim].subscribe(killer(cos[victim], killed))
-    threads = [threading.Thread(target=drive, args=(co, events[r], errors))
-               for r, co in enumerate(cos)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DRIVE_S + 60)
-    assert not any(t.is_alive() for t in threads), "a replica never finished"
-    if errors:
-        raise errors[0]
+    run_replicas([functools.partial(drive, co, events[r], errors) for r, co in enumerate(cos)],
+                 errors, DRIVE_S + 60)
     assert killed, "the victim never committed the step after which it is killed"
     for r, co in enumerate(cos):
         check_ledger(co, r, events[r])

@@ -8,8 +8,8 @@ sample is committed exactly once per epoch, each resumed replica inside its new 
 group checkpoint whose commits cover one replica's whole shard makes that replica hold back
 (empty shares) while its peer trains the rest of the epoch."""
 
+import functools
 import json
-import threading
 import time
 
 import pytest
@@ -25,7 +25,7 @@ from deltaserve.train.facade import CoServer
 from deltaserve.train.optim import OptimizerState
 from tests.train import fixtures as fx
 from tests.train.backward.test_data_parallel import LORA, free_port
-from tests.train.test_data_parallel_coserve import SEED, settle, start, train_idle
+from tests.train.test_data_parallel_coserve import SEED, run_replicas, settle, start, train_idle
 
 NUM_SAMPLES = 9  # two shards of 5 and 4, one sample a step
 NUM_EPOCHS = 2
@@ -55,14 +55,7 @@ def run(cos: list[CoServer], stop_after: int | None) -> list[list[OptimizerStep]
             errors.append(e)
             co.close(drain=False, checkpoint=False, timeout_s=5.0)
 
-    threads = [threading.Thread(target=drive, args=(r,)) for r in range(len(cos))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a replica never finished"
-    if errors:
-        raise errors[0]
+    run_replicas([functools.partial(drive, r) for r in range(len(cos))], errors)
     return steps
 
 

@@ -105,6 +105,9 @@ BACKWARD_PACKAGE = "train/backward"
 OTHER_PROCESSES_ALLOWED = {
     "bench/split_pool.py": "the split-pool baseline's standalone trainer process (its own "
                            "model and optimizer, no grant): a compared system, not the backward",
+    "bench/replica_processes.py": "a data-parallel replica per process (vLLM's engines cannot "
+                                  "share one): each a whole host, whose own backward its "
+                                  "co-server starts through train/backward/",
 }
 PROCESS_MODULES = {"multiprocessing", "torch.multiprocessing"}
 BACKWARD_NAMES = {"BackwardProcess", "worker_main"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deltaserve.bench import replicas as bench_replicas
-from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.config import REPLICA_HOSTS, BenchConfig
 from deltaserve.bench.fleet_score import fleet_score
 from deltaserve.bench.outcome import Commit, HardwareShare, ReplicaRun, SystemRun
 from deltaserve.bench.replay import (
@@ -37,7 +37,7 @@ from tests.bench.test_replay import FakeHost
 # ---- the flag ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, says", [
     (["--replicas", "0"], "must be an integer >= 1"),
-    (["--replicas", "2", "--host", "vllm"], "native host only"),
+    (["--replicas", "2", "--host", "sglang"], "replicas run on the hosts native, vllm"),
 ])
 def test_a_bad_replica_count_names_the_flag(argv, says, capsys):
     assert main(["bench", *argv]) == 2
@@ -65,8 +65,14 @@ def test_replicas_the_machine_or_a_system_cannot_run_fail_before_any_model_loads
 def test_one_replica_is_the_default():
     assert BenchConfig().replicas == 1
     with pytest.raises(InputError) as e:
-        BenchConfig(replicas=2, host="vllm")
+        BenchConfig(replicas=2, host="sglang")
     assert e.value.field == "replicas"
+    # vLLM's replicas are processes, each replaying round-robin's share: no least-loaded client
+    assert BenchConfig(replicas=2, host="vllm").router == "round-robin"
+    with pytest.raises(InputError) as e:
+        BenchConfig(replicas=2, host="vllm", router="least-loaded")
+    assert e.value.field == "router" and "round-robin" in e.value.reason
+    assert BenchConfig(replicas=2, router="least-loaded").router == "least-loaded"
     bench_replicas.check_replicas(BenchConfig(replicas=1), parse_systems("split-pool"), 1)
 
 
@@ -119,19 +125,27 @@ def test_the_totals_are_the_replicas_sums_and_the_allreduce_is_every_steps():
 DURATION_S, DRAIN_S = 5.0, 2.0
 
 
-@pytest.fixture(scope="module")
-def bench(tiny_model, tmp_path_factory):  # noqa: F811 - the imported fixture
-    out = tmp_path_factory.mktemp("bench-replicas") / "results"
-    rc = main(["bench", "--replicas", "2", "--model", str(tiny_model), "--dtype", "float32",
-               "--trace", "burst-light", "--duration", f"{DURATION_S:g}",
-               "--drain-s", f"{DRAIN_S:g}", "--rate-scale", "0.08",
-               "--max-prompt-tokens", "48", "--max-output-tokens", "12",
-               "--systems", "inference-only,deltaserve", "--slo-scale", "1.5",
-               "--standalone-seconds", "2", "--heldout", "4",
-               "--backward-batch-tokens", "64", "--latency-error-min-ms", "0",
-               "--out", str(out), "--no-progress"])
+@pytest.fixture(scope="module", params=["threads", "processes"])
+def bench(request, tiny_model, tmp_path_factory):  # noqa: F811 - the imported fixture
+    """The bench with its replicas as threads of this process (the native host's way) and as
+    processes of their own (vLLM's way, :mod:`deltaserve.bench.replica_processes`)."""
+    out = tmp_path_factory.mktemp(f"bench-replicas-{request.param}") / "results"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(REPLICA_HOSTS, "native", request.param == "threads")
+        rc = _run_bench(out, tiny_model)
     assert rc == 0
     return json.loads((out / "results.json").read_text()), out
+
+
+def _run_bench(out, model) -> int:
+    return main(["bench", "--replicas", "2", "--model", str(model), "--dtype", "float32",
+                 "--trace", "burst-light", "--duration", f"{DURATION_S:g}",
+                 "--drain-s", f"{DRAIN_S:g}", "--rate-scale", "0.08",
+                 "--max-prompt-tokens", "48", "--max-output-tokens", "12",
+                 "--systems", "inference-only,deltaserve", "--slo-scale", "1.5",
+                 "--standalone-seconds", "2", "--heldout", "4",
+                 "--backward-batch-tokens", "64", "--latency-error-min-ms", "0",
+                 "--out", str(out), "--no-progress"])
 
 
 @pytest.mark.slow

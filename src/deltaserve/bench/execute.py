@@ -72,16 +72,19 @@ def bench_training(cfg: BenchConfig, slo: SLOConfig, root: Path) -> BenchTrainin
                                                      resume=False))
 
 
-def _commits(co: CoServer) -> list[Commit]:
-    """Every optimizer step the co-server commits from now on (packed rows: no padding)."""
-    out: list[Commit] = []
+def record_commits(co: CoServer) -> tuple[list[Commit], list[float]]:
+    """Every optimizer step the co-server commits from now on (packed rows: no padding), and
+    the seconds each spent in the gradient all-reduce (0 with one replica)."""
+    commits: list[Commit] = []
+    allreduce_s: list[float] = []
 
     def on_event(ev: TrainingEvent) -> None:
         if isinstance(ev, OptimizerStep):
-            out.append(Commit(ev.at_s, ev.num_tokens, len(ev.sample_ids), ev.num_tokens))
+            commits.append(Commit(ev.at_s, ev.num_tokens, len(ev.sample_ids), ev.num_tokens))
+            allreduce_s.append(ev.allreduce_s)
 
     co.subscribe(on_event)
-    return out
+    return commits, allreduce_s
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
                              config=coserve_config(spec, bench_training(cfg, slo, root)),
                              latency_model=lm,
                              scheduler_cls=spec.scheduler_cls, progress=False)
-            commits = _commits(co)
+            commits, _ = record_commits(co)
         if spec.trainer_replicas:  # split-pool: the standalone trainer on its reserved share
             trainer = _start_split_pool(inputs, share.reserved)
         result = replay(host, inputs.trace, inputs.data.prompts, label=label,

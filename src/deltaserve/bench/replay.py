@@ -189,16 +189,18 @@ def _send(hosts: Sequence[BaseHost], router: Router, records: list[RequestRecord
 def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource, *,
                  router: Router | None = None, label: str = "replay",
                  drain_timeout_s: float = 300.0, min_wall_s: float = 0.0,
-                 progress: bool = True) -> list[ReplayResult]:
+                 progress: bool = True, start_s: float | None = None,
+                 indices: Sequence[int] | None = None) -> list[ReplayResult]:
     """:func:`replay` against replicas: one client sends the trace, each request to the host
     ``router`` names (round-robin by default), and every host's loop runs until the window
     closes (the first in the calling thread, the others each in a thread of its own, on the
     caller's torch thread count). One result per host, with its own requests and steps and
     the fleet's common start and end. A replica whose loop raises is routed around and the
-    replay goes on; :class:`ReplicaFailed` is raised at its end, with the results."""
+    replay goes on; :class:`ReplicaFailed` is raised at its end, with the results. ``start_s``:
+    the start on ``time.monotonic()``, one clock for every process (default: now); ``indices``:
+    each request's index in the whole trace, which its record and prompt keep."""
     router = _checked(router, len(hosts))
-    records = [RequestRecord(i, 0.0, r.prompt_tokens, r.output_tokens)
-               for i, r in enumerate(trace.requests)]
+    records = _records(trace, indices)
     assigned: dict[int, int] = {}
     steps: list[list[StepRecord]] = [[] for _ in hosts]
     for host, host_steps in zip(hosts, steps, strict=True):
@@ -206,7 +208,7 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
     stop = threading.Event()
     bar = tqdm(total=len(records), desc=label, unit="req", disable=not progress,
                dynamic_ncols=True)
-    start = time.monotonic() + 0.2
+    start = time.monotonic() + 0.2 if start_s is None else start_s
     outcome: dict[str, float | bool] = {}
 
     def client() -> None:
@@ -241,10 +243,18 @@ def replay_fleet(hosts: Sequence[BaseHost], trace: Trace, prompts: PromptSource,
             host.unsubscribe_steps(host_steps.append)
     results = [ReplayResult([rec for rec in records if assigned.get(rec.index) == r], start,
                             float(outcome["end"]), trace.duration_s, steps[r],
-                            bool(outcome.get("timed_out", True)))
-               for r in range(len(hosts))]
+                            bool(outcome.get("timed_out", True))) for r in range(len(hosts))]
     _raise_first(errors, results)
     return results
+
+
+def _records(trace: Trace, indices: Sequence[int] | None) -> list[RequestRecord]:
+    """A record per request of ``trace``, each with its index (default: its position)."""
+    indices = range(len(trace.requests)) if indices is None else indices
+    require(len(indices) == len(trace.requests), "indices", len(indices),
+            f"must name each of the trace's {len(trace.requests)} requests")
+    return [RequestRecord(i, 0.0, r.prompt_tokens, r.output_tokens)
+            for i, r in zip(indices, trace.requests, strict=True)]
 
 
 def _checked(router: Router | None, num_hosts: int) -> Router:

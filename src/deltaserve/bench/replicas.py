@@ -28,25 +28,37 @@ a scored run (a failed one fails the run).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deltaserve.bench.config import BenchConfig
+from deltaserve.bench.config import REPLICA_HOSTS, BenchConfig
 from deltaserve.bench.coserve_config import coserve_config
-from deltaserve.bench.execute import RunInputs, bench_training, grant_policy, warm_up
-from deltaserve.bench.latency_holdout import HoldoutLatencyModel, errors_by_kind, errors_by_mode
-from deltaserve.bench.outcome import Commit, HardwareShare, ReplicaRun, SystemRun
+from deltaserve.bench.execute import (
+    RunInputs,
+    bench_training,
+    grant_policy,
+    record_commits,
+    warm_up,
+)
+from deltaserve.bench.latency_holdout import (
+    HoldoutLatencyModel,
+    KindError,
+    ModeError,
+    errors_by_kind,
+    errors_by_mode,
+)
+from deltaserve.bench.outcome import HardwareShare, ReplicaRun, SystemRun
 from deltaserve.bench.prepare import make_host
 from deltaserve.bench.replay import ReplayResult, replay_fleet
+from deltaserve.bench.replica_processes import run_processes, tasks_for
 from deltaserve.bench.systems import SystemSpec
 from deltaserve.core.errors import require
 from deltaserve.core.router import create_router
 from deltaserve.core.slo import SLOConfig
 from deltaserve.hosts.base import BaseHost
-from deltaserve.hosts.replica_group import at_once, attach_group, detach_group
+from deltaserve.hosts.replica_group import at_once, attach_group, detach_group, free_port, ranked
 from deltaserve.train.checkpoint_store import find_latest
-from deltaserve.train.config import GrantPolicy
-from deltaserve.train.events import OptimizerStep, TrainingEvent
+from deltaserve.train.config import CoServeConfig, GrantPolicy
 from deltaserve.train.facade import CoServer
 
 
@@ -69,30 +81,15 @@ def check_replicas(cfg: BenchConfig, specs: Sequence[SystemSpec], threads: int) 
                 f"cores that replicas of one thread do not have")
 
 
-def _record(co: CoServer) -> tuple[list[Commit], list[float]]:
-    """The co-server's commits from now on, and each step's all-reduce seconds."""
-    commits: list[Commit] = []
-    allreduce_s: list[float] = []
-
-    def on_event(ev: TrainingEvent) -> None:
-        if isinstance(ev, OptimizerStep):
-            commits.append(Commit(ev.at_s, ev.num_tokens, len(ev.sample_ids), ev.num_tokens))
-            allreduce_s.append(ev.allreduce_s)
-
-    co.subscribe(on_event)
-    return commits, allreduce_s
-
-
-def _attach(hosts: Sequence[BaseHost], inputs: RunInputs, spec: SystemSpec, slo: SLOConfig,
-            root: Path, threads: int) -> list[CoServer]:
-    """Every replica's co-server, rank r of N, each backward on ``threads`` (the replica's
-    share; stated, since an attaching thread's own torch count is OpenMP's default), one
-    checkpoint root for the group (rank 0 writes there, every rank its log)."""
+def replica_config(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig, root: Path,
+                   threads: int) -> CoServeConfig:
+    """Every replica's co-server configuration, before its rank: the backward on ``threads``
+    (the replica's share; stated, since an attaching thread's own torch count is OpenMP's
+    default) and one checkpoint root for the group (rank 0 writes there, every rank its
+    log)."""
     config = coserve_config(spec, bench_training(inputs.cfg, slo, root))
     b = config.backward
-    config = replace(config, backward=replace(b, threads=b.threads or threads))
-    return attach_group(hosts, config, dataset=inputs.data.samples,
-                        scheduler_cls=spec.scheduler_cls)
+    return replace(config, backward=replace(b, threads=b.threads or threads))
 
 
 def fleet_result(results: Sequence[ReplayResult]) -> ReplayResult:
@@ -104,17 +101,21 @@ def fleet_result(results: Sequence[ReplayResult]) -> ReplayResult:
                         any(r.timed_out for r in results))
 
 
-def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
-                   slo_scale: float | None, *, label: str | None = None, tag: str = ""
-                   ) -> SystemRun:
-    """:func:`~deltaserve.bench.execute.run_system` for ``--replicas`` N > 1 (the same
-    arguments): the trace against N replicas of the host, training one adapter."""
+@dataclass(frozen=True)
+class _Replicated:
+    """What the replicas of one system's run left: each one's share, and the latency model's
+    errors (replica 0's: every replica's model starts from one calibration and sees its own
+    share of the same trace)."""
+
+    replicas: tuple[ReplicaRun, ...]
+    latency: tuple[ModeError, ...]
+    kinds: tuple[KindError, ...]
+
+
+def _in_threads(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None, root: Path,
+                per: int, label: str) -> _Replicated:
+    """The replicas as hosts of this process, each loop on a thread of its own."""
     cfg = inputs.cfg
-    per = threads_per_replica(cfg, inputs.threads)
-    if label is None:
-        label = spec.name if slo_scale is None else f"{spec.name} @{slo_scale:g}"
-    label += tag
-    root = inputs.work / "checkpoints" / label.replace(" @", "-").replace(" #", "-")
     hosts: list[BaseHost] = []
     try:
         for _ in range(cfg.replicas):
@@ -129,32 +130,62 @@ def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
         cos: list[CoServer] = []
         if spec.coserve:
             assert slo is not None, "a co-serving system needs a SLO"
-            cos = _attach(hosts, inputs, spec, slo, root, per)
-        recorded = [_record(co) for co in cos] or [([], []) for _ in hosts]
+            cos = attach_group(hosts, replica_config(inputs, spec, slo, root, per),
+                               dataset=inputs.data.samples, scheduler_cls=spec.scheduler_cls)
+        recorded = [record_commits(co) for co in cos] or [([], []) for _ in hosts]
         results = replay_fleet(hosts, inputs.trace, inputs.data.prompts,
                                router=create_router(cfg.router, len(hosts)), label=label,
                                min_wall_s=cfg.window_s(inputs.trace.duration_s),
                                progress=cfg.progress)
         for co in cos:  # a run whose backward lost every step is an error, not 0 tokens/s
             co.raise_if_failed()
-        replicas = tuple(ReplicaRun(r, res, commits, reduce_s)
-                         for r, (res, (commits, reduce_s))
-                         in enumerate(zip(results, recorded, strict=True)))
-        # the latency model's errors: replica 0's (every replica's model starts from one
-        # calibration and sees its own share of the same trace)
-        min_s = cfg.latency_error_min_ms / 1e3
-        run = SystemRun(spec, fleet_result(results),
-                        [c for rep in replicas for c in rep.commits],
-                        errors_by_mode(lms[0], min_s),
-                        HardwareShare(inputs.threads, per, 0), slo_scale,
-                        latency_kinds=errors_by_kind(lms[0], min_s), replicas=replicas)
         if cos:
             detach_group(hosts, drain=False, checkpoint=True)
-            latest = find_latest(root)
-            run.adapter_dir = str(latest) if latest else None
-            run.train_log = str(root / "train_log.jsonl")  # rank 0's
-        return run
+        min_s = cfg.latency_error_min_ms / 1e3
+        return _Replicated(tuple(ReplicaRun(r, res, commits, reduce_s)
+                                 for r, (res, (commits, reduce_s))
+                                 in enumerate(zip(results, recorded, strict=True))),
+                           errors_by_mode(lms[0], min_s), errors_by_kind(lms[0], min_s))
     finally:
         # detach any co-server still attached (an error path) on every replica at once: each
         # sends its peers empty shares until all have closed
         at_once([lambda h=h: h.close() for h in hosts])
+
+
+def _in_processes(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None, root: Path,
+                  per: int, label: str) -> _Replicated:
+    """The replicas as processes (:mod:`deltaserve.bench.replica_processes`)."""
+    n = inputs.cfg.replicas
+    configs: list[CoServeConfig | None] = [None] * n
+    if spec.coserve:
+        assert slo is not None, "a co-serving system needs a SLO"
+        config, port = replica_config(inputs, spec, slo, root, per), free_port()
+        configs = [ranked(config, r, n, port) for r in range(n)]
+    outcomes = run_processes(tasks_for(inputs, spec, configs, label, per))
+    return _Replicated(tuple(o.run for o in outcomes), outcomes[0].latency, outcomes[0].kinds)
+
+
+def run_replicated(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
+                   slo_scale: float | None, *, label: str | None = None, tag: str = ""
+                   ) -> SystemRun:
+    """:func:`~deltaserve.bench.execute.run_system` for ``--replicas`` N > 1 (the same
+    arguments): the trace against N replicas of the host, training one adapter; the replicas
+    are threads of this process, or processes where the host's engines cannot share one
+    (:data:`~deltaserve.bench.config.REPLICA_HOSTS`)."""
+    cfg = inputs.cfg
+    per = threads_per_replica(cfg, inputs.threads)
+    if label is None:
+        label = spec.name if slo_scale is None else f"{spec.name} @{slo_scale:g}"
+    label += tag
+    root = inputs.work / "checkpoints" / label.replace(" @", "-").replace(" #", "-")
+    run_ = _in_threads if REPLICA_HOSTS[cfg.host] else _in_processes
+    done = run_(inputs, spec, slo, root, per, label)
+    run = SystemRun(spec, fleet_result([rep.result for rep in done.replicas]),
+                    [c for rep in done.replicas for c in rep.commits], done.latency,
+                    HardwareShare(inputs.threads, per, 0), slo_scale,
+                    latency_kinds=done.kinds, replicas=done.replicas)
+    if spec.coserve:
+        latest = find_latest(root)
+        run.adapter_dir = str(latest) if latest else None
+        run.train_log = str(root / "train_log.jsonl")  # rank 0's
+    return run

@@ -56,6 +56,12 @@ def at_once(calls: Sequence[Callable[[], T]]) -> list[T]:
     return out  # type: ignore[return-value]  # every call returned
 
 
+def ranked(config: CoServeConfig, rank: int, world_size: int, port: int) -> CoServeConfig:
+    """``config`` for rank ``rank`` of ``world_size`` replicas meeting on local ``port``."""
+    return replace(config, data_parallel=replace(config.data_parallel, world_size=world_size,
+                                                 rank=rank, master_port=port))
+
+
 def attach_group(hosts: Sequence[BaseHost], config: CoServeConfig, *,
                  dataset: Sequence[TrainingSample], progress: bool = False,
                  scheduler_cls: type[AdmissionScheduler] = AdmissionScheduler,
@@ -67,9 +73,8 @@ def attach_group(hosts: Sequence[BaseHost], config: CoServeConfig, *,
     n = len(hosts)
 
     def attach(rank: int) -> Callable[[], CoServer]:
-        ranked = replace(config, data_parallel=replace(config.data_parallel, world_size=n,
-                                                       rank=rank, master_port=port))
-        return lambda: hosts[rank].attach(ranked, dataset=dataset,
+        mine = ranked(config, rank, n, port)
+        return lambda: hosts[rank].attach(mine, dataset=dataset,
                                           latency_model=hosts[rank].latency_model,
                                           progress=progress, scheduler_cls=scheduler_cls,
                                           validation=validation if rank == 0 else None)

@@ -18,6 +18,7 @@ from deltaserve.bench.outcome import Commit, HardwareShare, SystemRun
 from deltaserve.bench.prepare import BenchData, make_host
 from deltaserve.bench.replay import PromptSource, replay
 from deltaserve.bench.split_pool import StandaloneTrainer
+from deltaserve.bench.step_log import write_steps
 from deltaserve.bench.systems import SystemSpec
 from deltaserve.core.requests import SamplingParams
 from deltaserve.core.slo import SLOConfig
@@ -165,6 +166,7 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
             trainer = None
         min_s = cfg.latency_error_min_ms / 1e3
         predicted = step_predictions(lm)
+        write_steps(inputs.work / "steps" / f"{root.name}.jsonl", result.steps, predicted)
         run = SystemRun(spec, result, commits, errors_by_mode(lm, min_s), share, slo_scale,
                         latency_kinds=errors_by_kind(lm, min_s),
                         step_predictions=predicted,

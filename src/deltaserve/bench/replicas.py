@@ -1,4 +1,6 @@
-"""``deltaserve bench --replicas N``: every system as N data-parallel replicas of the native host.
+"""``deltaserve bench --replicas N``: every system as N data-parallel replicas of the host (the
+native host's as threads of this process, described here; vLLM's as processes of their own,
+:mod:`deltaserve.bench.replica_processes`, formed, trained and scored alike).
 
 How replicas are formed: each replica is its own engine on ``threads // N`` of the machine's
 threads (torch's thread count is one per process, so every replica gets the same), with its own

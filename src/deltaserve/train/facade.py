@@ -262,7 +262,7 @@ class CoServer:
         """Data parallel: the tokens and samples committed, and the epoch, are the group's
         (what the one adapter holds); every other counter is this replica's."""
         c, t = self.trainer.counts, self.trainer
-        p = t.ledger.pool.progress() if t.ledger is not None else self.book.progress()
+        p = t.ledger.progress() if t.ledger is not None else self.book.progress()
         # dict() of a Counter is one C-level copy: safe against the stepping thread's updates
         timing = dict(self._timing)
         return CoServeStats(p.tokens_committed_total, p.samples_committed_total,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from deltaserve.core.pool import SamplePool
+from deltaserve.core.pool import PoolProgress, SamplePool
 
 
 class GroupLedger:
@@ -31,6 +31,10 @@ class GroupLedger:
     @property
     def epoch(self) -> int:
         return self.pool.epoch
+
+    def progress(self) -> PoolProgress:
+        """The group's epoch and what its adapter holds, in samples and tokens."""
+        return self.pool.progress()
 
     def record(self, sample_ids: Sequence[int]) -> None:
         """A global step committed ``sample_ids`` (every replica's) into the adapter."""

@@ -1,0 +1,125 @@
+"""Where the latency model's error comes from: refit its equations on a bench run's steps with
+and without candidate terms, and compare the held-out error per step kind.
+
+Reads the step logs a bench writes (``<out>/work/steps/*.jsonl``,
+:mod:`deltaserve.bench.step_log`) and, per equation, fits the model's own regressors
+(:func:`deltaserve.core.latency_terms.features`; relative weighting, non-negative least squares,
+as :class:`~deltaserve.core.latency_model.LatencyModel` fits them) and each candidate that adds
+one term. Every fit is scored by K-fold
+cross-validation (each step predicted by a fit that never saw it): MAPE and bias (mean of
+actual ÷ predicted less one) per step kind, over the steps of at least ``--min-ms``. The online
+error of the run itself (each step's recorded prediction) is printed beside them.
+
+    python -m deltaserve.bench.latency_terms results/X/work/steps/*.jsonl --out results/X/terms.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from deltaserve.bench.step_log import read_steps, shape_of
+from deltaserve.core.latency_terms import Equation, equation_of, features
+from deltaserve.core.nnls import nnls
+from deltaserve.core.shape import StepShape, kind_of
+
+Term = Callable[[StepShape], float]
+# candidate terms, each added to the model's own regressors of Equation I (mixed steps)
+CANDIDATES: dict[str, Term] = {
+    "decodes": lambda s: float(s.num_decode),  # a decode row costs more than a prefill token
+    "sequences": lambda s: float(len(s.prefill_lens) + s.num_decode),  # per-sequence overhead
+    "ft_samples": lambda s: float(len(s.ft_lens)),  # per training row
+    "decodes_x_ft": lambda s: float(s.num_decode * bool(s.ft_lens)),  # decodes beside LoRA rows
+}
+
+
+def _design(shapes: Sequence[StepShape], eq: Equation, term: Term | None) -> np.ndarray:
+    rows = [features(s, eq) + ((term(s),) if term is not None else ()) for s in shapes]
+    return np.array(rows, dtype=float)
+
+
+def cross_validated(shapes: Sequence[StepShape], seconds: np.ndarray, eq: Equation,
+                    term: Term | None, folds: int, seed: int) -> np.ndarray:
+    """Each step's prediction by a relative-weighted NNLS fit on the other folds."""
+    x = _design(shapes, eq, term)
+    order = np.random.default_rng(seed).permutation(len(seconds))
+    out = np.empty(len(seconds))
+    for k in range(folds):
+        test = order[k::folds]
+        train = np.setdiff1d(order, test)
+        w = 1.0 / seconds[train]
+        coef = nnls(x[train] * w[:, None], seconds[train] * w)
+        out[test] = x[test] @ coef
+    return out
+
+
+def by_kind(shapes: Sequence[StepShape], seconds: np.ndarray, predicted: np.ndarray) -> dict:
+    """MAPE and bias per step kind (and over all)."""
+    kinds = np.array([kind_of(s).value for s in shapes])
+    out = {}
+    for kind in [*sorted(set(kinds)), "all"]:
+        m = np.ones(len(kinds), bool) if kind == "all" else kinds == kind
+        p = np.maximum(predicted[m], 1e-9)
+        out[kind] = {"steps": int(m.sum()),
+                     "mape": float(np.mean(np.abs(p - seconds[m]) / seconds[m])),
+                     "bias": float(np.mean(seconds[m] / p) - 1.0)}
+    return out
+
+
+def analyse(rows: Sequence[dict], min_s: float, folds: int, seed: int) -> dict:
+    """Per equation: the run's online error, the model's terms cross-validated, and each
+    candidate's (Equation I only: Equation II, decode-only steps, has no prefill or LoRA)."""
+    rows = [r for r in rows if not r["aborted"] and r["seconds"] >= min_s]
+    report: dict = {}
+    for eq in Equation:
+        mine = [r for r in rows if equation_of(shape_of(r)) is eq]
+        if len(mine) < 2 * folds:
+            continue
+        shapes = [shape_of(r) for r in mine]
+        seconds = np.array([r["seconds"] for r in mine])
+        entry: dict = {"steps": len(mine)}
+        online = [(s, r["predicted_s"], t) for s, r, t in zip(shapes, mine, seconds, strict=True)
+                  if r["predicted_s"]]
+        if online:
+            entry["online"] = by_kind([s for s, _, _ in online], np.array([t for *_, t in online]),
+                                      np.array([p for _, p, _ in online]))
+        entry["model_terms"] = by_kind(shapes, seconds,
+                                       cross_validated(shapes, seconds, eq, None, folds, seed))
+        if eq is Equation.MIXED:
+            for name, term in CANDIDATES.items():
+                entry[f"+{name}"] = by_kind(shapes, seconds, cross_validated(
+                    shapes, seconds, eq, term, folds, seed))
+        report[eq.value] = entry
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("steps", nargs="+", type=Path, help="step logs (JSON lines)")
+    ap.add_argument("--min-ms", type=float, default=20.0, help="steps shorter are left out")
+    ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write the report as JSON here")
+    args = ap.parse_args(argv)
+    rows = [r for p in args.steps for r in read_steps(p)]
+    report = {"files": [str(p) for p in args.steps], "min_ms": args.min_ms,
+              "folds": args.folds, "equations": analyse(rows, args.min_ms / 1e3, args.folds,
+                                                        args.seed)}
+    for eq, entry in report["equations"].items():
+        print(f"equation {eq}: {entry['steps']} steps")
+        for fit, kinds in entry.items():
+            if fit == "steps":
+                continue
+            print(f"  {fit:>14}: " + "; ".join(f"{k} {v['mape']:.1%} (bias {v['bias']:+.1%}, "
+                                               f"{v['steps']})" for k, v in kinds.items()))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

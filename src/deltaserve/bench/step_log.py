@@ -1,0 +1,44 @@
+"""Every step of a run, as JSON lines under ``<out>/work/steps/`` (one file per run): the shape,
+the measured seconds, what the latency model predicted just before it (where it kept it) and
+whether a yield preceded it. Not scored: the raw material for finding where the latency model's
+error comes from (:mod:`deltaserve.bench.latency_terms` refits it on these with other terms)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from deltaserve.core.contract import StepRecord
+from deltaserve.core.shape import ExecMode, StepShape
+
+
+def step_row(step: StepRecord, predicted_s: float | None) -> dict:
+    """One step as a JSON object: its shape's fields, seconds, prediction, yield."""
+    shape = {**asdict(step.shape), "mode": step.shape.mode.value}
+    return {"t_s": step.t_s, "seconds": step.seconds, "predicted_s": predicted_s,
+            "ft_tokens": step.ft_tokens, "aborted": step.aborted, "yielded_s": step.yielded_s,
+            "shape": shape}
+
+
+def shape_of(row: Mapping) -> StepShape:
+    """The shape of a row written by :func:`step_row`."""
+    s = row["shape"]
+    return StepShape(tuple(s["prefill_lens"]), s["num_decode"], s["kv_tokens"],
+                     tuple(s["ft_lens"]), ExecMode(s["mode"]), tuple(s["prefill_prefix_lens"]),
+                     s["after_yield"])
+
+
+def write_steps(path: Path, steps: Sequence[StepRecord],
+                predicted: Mapping[tuple[StepShape, float], float]) -> Path:
+    """Write ``steps`` (with their predictions by (shape, seconds)) to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for step in steps:
+            f.write(json.dumps(step_row(step, predicted.get((step.shape, step.seconds)))) + "\n")
+    return path
+
+
+def read_steps(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

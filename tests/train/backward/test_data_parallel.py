@@ -40,7 +40,8 @@ LORA = LoRAConfig(r=4, alpha=8, dropout=0.1)
 # lr 1e-3 and clipping at norm 1 as the defaults. eps 1e-6 rather than 1e-8: where an element's
 # gradient cancels to ~0, AdamW's update is lr * g / eps, so fp32 rounding of g (~1e-10 absolute,
 # summed in another order on two replicas) moves it by up to lr/eps * 1e-10: 1e-5 at eps 1e-8
-# (CI measured 1.05e-5 on one element), 100x less here. The test is about the gradient combination, not eps.
+# (CI measured 1.05e-5 on one element), 100x less here. The test is about the gradient
+# combination, not eps.
 OPTIMIZER = OptimizerConfig(eps=1e-6)
 BUFFER_TOKENS = 256
 

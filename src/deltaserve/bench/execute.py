@@ -7,6 +7,7 @@ from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.coserve_config import BenchTraining, coserve_config, system_grant
+from deltaserve.bench.gc_heap import frozen_heap
 from deltaserve.bench.latency_holdout import (
     HoldoutLatencyModel,
     errors_by_kind,
@@ -15,7 +16,7 @@ from deltaserve.bench.latency_holdout import (
     step_predictions,
 )
 from deltaserve.bench.outcome import Commit, HardwareShare, SystemRun
-from deltaserve.bench.prepare import BenchData, make_host
+from deltaserve.bench.prepare import BenchData, log, make_host
 from deltaserve.bench.replay import PromptSource, replay
 from deltaserve.bench.split_pool import StandaloneTrainer
 from deltaserve.bench.step_log import write_steps
@@ -155,9 +156,11 @@ def run_system(inputs: RunInputs, spec: SystemSpec, slo: SLOConfig | None,
             commits, _ = record_commits(co)
         if spec.trainer_replicas:  # split-pool: the standalone trainer on its reserved share
             trainer = _start_split_pool(inputs, share.reserved)
-        result = replay(host, inputs.trace, inputs.data.prompts, label=label,
-                        min_wall_s=cfg.window_s(inputs.trace.duration_s),
-                        progress=cfg.progress)
+        with frozen_heap() as heap:
+            log(cfg, f"{label}: {heap.text}")
+            result = replay(host, inputs.trace, inputs.data.prompts, label=label,
+                            min_wall_s=cfg.window_s(inputs.trace.duration_s),
+                            progress=cfg.progress)
         if co is not None:  # a run whose backward lost every step is an error, not 0 tokens/s
             co.raise_if_failed()
         if trainer is not None:

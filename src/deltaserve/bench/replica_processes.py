@@ -37,6 +37,7 @@ from pathlib import Path
 
 from deltaserve.bench.config import BenchConfig
 from deltaserve.bench.execute import RunInputs, record_commits, warm_up
+from deltaserve.bench.gc_heap import frozen_heap
 from deltaserve.bench.latency_holdout import (
     HoldoutLatencyModel,
     KindError,
@@ -122,11 +123,13 @@ def _serve(task: ReplicaTask, host: BaseHost, ready: mp.Queue, start: mp.Queue,
         co = host.attach(task.coserve, dataset=task.samples, latency_model=lm,
                          scheduler_cls=task.spec.scheduler_cls, progress=False)
         commits_s = record_commits(co)
-    ready.put((task.rank, None))
-    start_s = start.get(timeout=READY_TIMEOUT_S)
-    result = replay_fleet([host], task.trace, task.prompts, label=task.label,
-                          min_wall_s=task.min_wall_s, progress=task.cfg.progress and not task.rank,
-                          start_s=start_s, indices=task.indices)[0]
+    with frozen_heap():  # frozen before it reports ready: the common start waits for no one
+        ready.put((task.rank, None))
+        start_s = start.get(timeout=READY_TIMEOUT_S)
+        result = replay_fleet([host], task.trace, task.prompts, label=task.label,
+                              min_wall_s=task.min_wall_s,
+                              progress=task.cfg.progress and not task.rank,
+                              start_s=start_s, indices=task.indices)[0]
     if co is not None:
         co.raise_if_failed()  # a run whose backward lost every step is an error
         host.detach(drain=False, checkpoint=True)  # with its peers: rank 0 writes

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from deltaserve.bench.latency_terms import analyse, main
+from deltaserve.bench.latency_terms import analyse, late_steps, main
 from deltaserve.bench.step_log import read_steps, shape_of, step_row, write_steps
 from deltaserve.core.contract import StepRecord
 from deltaserve.core.latency_terms import features
@@ -61,4 +61,17 @@ def test_the_command_writes_its_report(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in _closed_form_steps(0.0)))
     assert main([str(path), "--min-ms", "0", "--out", str(tmp_path / "r.json")]) == 0
     assert "equation mixed" in capsys.readouterr().out
-    assert (tmp_path / "r.json").exists()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["late"]["steps.jsonl"]["late"] == 0  # every prediction is 10 % low, no more
+
+
+def test_late_steps_are_the_ones_at_or_past_the_ratio_with_their_time_and_yield():
+    decode = StepShape((), 4, 100, ())
+    steps = [(10.0, 0.0625, 0.0625, 0.0), (10.5, 0.2, 0.0625, 0.0), (11.0, 0.1875, 0.0625, 0.02),
+             (11.5, 0.30, None, 0.0), (12.0, 0.001, 0.0005, 0.0)]
+    rows = [step_row(StepRecord(t, decode, s, 0, False, y), p) for t, s, p, y in steps]
+    late = late_steps(rows, ratio=3.0, min_s=0.01)
+    # the unpredicted step and the one under min_s are not counted; 3.0x exactly is late
+    assert late["steps"] == 3 and late["late"] == 2
+    assert [(x["at_s"], x["ratio"], x["after_yield"]) for x in late["late_steps"]] == [
+        (0.5, 3.2, False), (1.0, 3.0, True)]

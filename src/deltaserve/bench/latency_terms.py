@@ -8,7 +8,10 @@ as :class:`~deltaserve.core.latency_model.LatencyModel` fits them) and each cand
 one term. Every fit is scored by K-fold
 cross-validation (each step predicted by a fit that never saw it): MAPE and bias (mean of
 actual ÷ predicted less one) per step kind, over the steps of at least ``--min-ms``. The online
-error of the run itself (each step's recorded prediction) is printed beside them.
+error of the run itself (each step's recorded prediction) is printed beside them. Per file, the
+steps that ran at least ``--late`` times their online prediction are counted, with when they
+ran (seconds from the file's first step) and whether a yield preceded them: a term fits a
+trend, not a stall.
 
     python -m deltaserve.bench.latency_terms results/X/work/steps/*.jsonl --out results/X/terms.json
 """
@@ -97,18 +100,34 @@ def analyse(rows: Sequence[dict], min_s: float, folds: int, seed: int) -> dict:
     return report
 
 
+def late_steps(rows: Sequence[dict], ratio: float, min_s: float) -> dict:
+    """The steps of one run that took at least ``ratio`` times their online prediction."""
+    timed = [r for r in rows if r["predicted_s"] and not r["aborted"] and r["seconds"] >= min_s]
+    t0 = rows[0]["t_s"] if rows else 0.0
+    late = [{"at_s": round(r["t_s"] - t0, 3), "seconds": r["seconds"],
+             "ratio": round(r["seconds"] / r["predicted_s"], 2),
+             "kind": kind_of(shape_of(r)).value, "after_yield": r["yielded_s"] > 0}
+            for r in timed if r["seconds"] >= ratio * r["predicted_s"]]
+    return {"steps": len(timed), "late": len(late), "ratio": ratio, "late_steps": late}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("steps", nargs="+", type=Path, help="step logs (JSON lines)")
     ap.add_argument("--min-ms", type=float, default=20.0, help="steps shorter are left out")
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--late", type=float, default=1.6,
+                    help="count each file's steps that took this many times their prediction")
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
     args = ap.parse_args(argv)
-    rows = [r for p in args.steps for r in read_steps(p)]
+    per_file = {p: read_steps(p) for p in args.steps}
+    rows = [r for file_rows in per_file.values() for r in file_rows]
     report = {"files": [str(p) for p in args.steps], "min_ms": args.min_ms,
               "folds": args.folds, "equations": analyse(rows, args.min_ms / 1e3, args.folds,
-                                                        args.seed)}
+                                                        args.seed),
+              "late": {p.name: late_steps(r, args.late, args.min_ms / 1e3)
+                       for p, r in per_file.items()}}
     for eq, entry in report["equations"].items():
         print(f"equation {eq}: {entry['steps']} steps")
         for fit, kinds in entry.items():
@@ -116,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             print(f"  {fit:>14}: " + "; ".join(f"{k} {v['mape']:.1%} (bias {v['bias']:+.1%}, "
                                                f"{v['steps']})" for k, v in kinds.items()))
+    for name, late in report["late"].items():
+        print(f"{name}: {late['late']} of {late['steps']} steps took >= {args.late:g}x their "
+              f"prediction" + "".join(f"; {x['kind']} at {x['at_s']:.1f} s {x['ratio']:.1f}x"
+                                      for x in late["late_steps"][:12]))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0

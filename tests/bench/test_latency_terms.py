@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from deltaserve.bench.latency_terms import analyse, late_steps, main
+from deltaserve.bench.latency_terms import analyse, late_steps, main, step_gaps
 from deltaserve.bench.step_log import read_steps, shape_of, step_row, write_steps
 from deltaserve.core.contract import StepRecord
 from deltaserve.core.latency_terms import features
@@ -75,3 +75,17 @@ def test_late_steps_are_the_ones_at_or_past_the_ratio_with_their_time_and_yield(
     assert late["steps"] == 3 and late["late"] == 2
     assert [(x["at_s"], x["ratio"], x["after_yield"]) for x in late["late_steps"]] == [
         (0.5, 3.2, False), (1.0, 3.0, True)]
+
+
+def test_step_gaps_are_the_time_no_step_and_no_yield_holds_before_steps_with_decodes():
+    decode, prefill = StepShape((), 4, 100, ()), StepShape((30,))
+    # (end, seconds, yielded before it, shape): starts at 0.9, 1.3, 1.95, 2.5
+    steps = [(1.0, 0.1, 0.0, prefill), (1.5, 0.2, 0.1, decode), (2.0, 0.05, 0.0, decode),
+             (2.6, 0.1, 0.0, prefill)]
+    rows = [step_row(StepRecord(t, sh, s, 0, False, y), None) for t, s, y, sh in steps]
+    g = step_gaps(rows)
+    # before the first decode step: 1.3 - 1.0 - 0.1 yielded = 0.2; before the second: 0.45;
+    # the gap before the prefill-only step has no request decoding through it
+    assert g["gaps"] == 2 and g["over_100ms"] == 2
+    assert g["max_ms"] == pytest.approx(450.0) and g["p50_ms"] == pytest.approx(325.0)
+    assert step_gaps(rows[:1]) == {"gaps": 0}

@@ -7,7 +7,8 @@ prose), PATH relative to the document's folder, must equal what
 ``python -m deltaserve.bench.tables`` renders from PATH; ``--update FILE`` rewrites them.
 Outside the blocks, in the sections on measured runs (README.md's headline, docs/results.md's
 measured sections, docs/log.md's entries on measured runs), every percentage, millisecond and
-tokens/s figure must be one the results the paragraph names hold, to the written precision;
+tokens/s figure must be one the results the paragraph names hold, to the written precision
+(a named folder's JSON files, and the figures its ``bench.log``, the bench's own output, printed);
 a paragraph naming none is checked against the document's own blocks, or in a document
 without blocks against every committed run.
 """
@@ -72,12 +73,26 @@ def _leaves(doc: object) -> Iterator[float]:
         yield float(doc)
 
 
+def _log_numbers(path: Path) -> Iterator[float]:
+    """The figures a bench printed, as the JSON files hold them (a percentage as a fraction)."""
+    for m in FIGURE.finditer(path.read_text()):
+        value = float(m[1].replace(",", ""))
+        yield value / 100.0 if m[2] == "%" else value
+
+
+def _named_numbers(folder: Path) -> list[float]:
+    numbers = [x for p in sorted(folder.glob("*.json")) for x in _leaves(json.loads(p.read_text()))]
+    log = folder / "bench.log"
+    return numbers + (list(_log_numbers(log)) if log.is_file() else [])
+
+
 def _held(value: float, unit: str, numbers: list[float]) -> bool:
     """Whether ``value`` (as written, with ``unit``) is one of ``numbers`` at its precision:
-    a percentage is a fraction × 100 to one decimal or none, ms to the unit, tokens/s to one
-    decimal or none."""
-    scale = 100.0 if unit == "%" else 1.0
-    return any(round(scale * x, 1) == value or round(scale * x) == value for x in numbers)
+    a percentage is a fraction × 100 to one decimal or none, ms to the unit (held in ms, or in
+    seconds as the step records and miss events hold them), tokens/s to one decimal or none."""
+    scales = {"%": (100.0,), "ms": (1.0, 1e3)}.get(unit, (1.0,))
+    return any(round(k * x, 1) == value or round(k * x) == value
+               for k in scales for x in numbers)
 
 
 def _section(text: str, head: str) -> str:
@@ -96,9 +111,9 @@ def _figures(name: str) -> tuple[list[tuple[str, str]], int]:
     unheld, read = [], 0
     for head in SECTIONS[name]:
         for para in BLOCK.sub("", _section(text, head)).split("\n\n"):
-            named = [ROOT / "results" / f / "results.json" for f in FOLDER.findall(para)]
-            numbers = [x for p in (named or runs) if p.is_file()
-                       for x in _leaves(json.loads(p.read_text()))]
+            named = [ROOT / "results" / f for f in FOLDER.findall(para)]
+            numbers = ([x for f in named for x in _named_numbers(f)] if named else
+                       [x for p in runs if p.is_file() for x in _leaves(json.loads(p.read_text()))])
             figures = list(FIGURE.finditer(para))
             read += len(figures)
             unheld += [(m[0], para[:60]) for m in figures

@@ -1,14 +1,16 @@
 """Replays run with the garbage collector's heap frozen, as vLLM's engine core freezes its own
 after start-up (``vllm.utils.gc_utils.freeze_gc_heap``).
 
-A collection of the oldest generation walks every object the collector tracks. Once a bench
-process holds a model, an engine, a calibration and a trace, that walk took 170-350 ms in the
-vLLM bench process (measured 2026-12-06 with a ``gc.callbacks`` probe: 14 such collections
-during start-up, one after a run's window), longer than the derived TPOT objective, and it
-runs on whichever thread allocates when the counts say so: inside a step, as lateness no
-latency model can price. Objects frozen before the replay are skipped by every later
+A collection of the oldest generation walks every object the collector tracks. Once the
+embedded host holds its model, a calibration and a trace, a full collection of the bench
+process took 180-185 ms (``results/2026-12-06-native-gc-heap/bench.log``): longer than a
+decode step, on whichever thread allocates when the counts say so, so inside a step, as
+lateness no latency model can price. On vLLM the engine core has frozen the heap already and
+the same collection took 0-1 ms (``results/2026-12-06-vllm-burst-light-r3-frozen-heap/``):
+there this changes nothing. Objects frozen before the replay are skipped by every later
 collection; the replay's own garbage is still collected. Frozen objects are never freed, so
-the freeze ends with the replay (``gc.unfreeze``, as vLLM's engine does at shutdown).
+the freeze ends with the replay (``gc.unfreeze``, as vLLM's engine does at shutdown; that
+also ends an engine's own freeze, which its shutdown, right after, would end anyway).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ actual ÷ predicted less one) per step kind, over the steps of at least ``--min-
 error of the run itself (each step's recorded prediction) is printed beside them. Per file, the
 steps that ran at least ``--late`` times their online prediction are counted, with when they
 ran (seconds from the file's first step) and whether a yield preceded them: a term fits a
-trend, not a stall.
+trend, not a stall. And the time between steps that no step and no yield accounts for, before
+each step with decodes in flight (a request's TPOT gap spans it, though no latency model
+prices it).
 
     python -m deltaserve.bench.latency_terms results/X/work/steps/*.jsonl --out results/X/terms.json
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +114,19 @@ def late_steps(rows: Sequence[dict], ratio: float, min_s: float) -> dict:
     return {"steps": len(timed), "late": len(late), "ratio": ratio, "late_steps": late}
 
 
+def step_gaps(rows: Sequence[dict]) -> dict:
+    """Seconds between one step's end and the next one's start, less the yield before it, where
+    the next step carries decodes (requests were in flight through the gap): median, p99, max
+    and how many exceed 0.1 s."""
+    gaps = np.array([b["t_s"] - b["seconds"] - a["t_s"] - b["yielded_s"]
+                     for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0])
+    if not len(gaps):
+        return {"gaps": 0}
+    return {"gaps": len(gaps), "p50_ms": float(np.median(gaps) * 1e3),
+            "p99_ms": float(np.quantile(gaps, 0.99) * 1e3), "max_ms": float(gaps.max() * 1e3),
+            "over_100ms": int((gaps > 0.1).sum())}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("steps", nargs="+", type=Path, help="step logs (JSON lines)")
@@ -127,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "folds": args.folds, "equations": analyse(rows, args.min_ms / 1e3, args.folds,
                                                         args.seed),
               "late": {p.name: late_steps(r, args.late, args.min_ms / 1e3)
-                       for p, r in per_file.items()}}
+                       for p, r in per_file.items()},
+              "gaps": {p.name: step_gaps(r) for p, r in per_file.items()}}
     for eq, entry in report["equations"].items():
         print(f"equation {eq}: {entry['steps']} steps")
         for fit, kinds in entry.items():
@@ -139,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {late['late']} of {late['steps']} steps took >= {args.late:g}x their "
               f"prediction" + "".join(f"; {x['kind']} at {x['at_s']:.1f} s {x['ratio']:.1f}x"
                                       for x in late["late_steps"][:12]))
+    for name, g in report["gaps"].items():
+        if g["gaps"]:
+            print(f"{name}: between steps with decodes in flight, unaccounted: median "
+                  f"{g['p50_ms']:.1f} ms, p99 {g['p99_ms']:.1f} ms, max {g['max_ms']:.0f} ms, "
+                  f"{g['over_100ms']} over 100 ms")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -82,8 +82,12 @@ def test_step_gaps_are_the_time_no_step_and_no_yield_holds_before_steps_with_dec
     # (end, seconds, yielded before it, shape): starts at 0.9, 1.3, 1.95, 2.5
     steps = [(1.0, 0.1, 0.0, prefill), (1.5, 0.2, 0.1, decode), (2.0, 0.05, 0.0, decode),
              (2.6, 0.1, 0.0, prefill)]
-    rows = [step_row(StepRecord(t, sh, s, 0, False, y), None) for t, s, y, sh in steps]
+    rows = [step_row(StepRecord(t, sh, s, 0, False, y, hooks_s=0.05), None)
+            for t, s, y, sh in steps]
     g = step_gaps(rows)
+    assert g["hooks_p50_ms"] == pytest.approx(50.0)
+    assert g["long_gaps_ms"] == [{"gap_ms": 200.0, "hooks_ms": 50.0},
+                                 {"gap_ms": 450.0, "hooks_ms": 50.0}]
     # before the first decode step: 1.3 - 1.0 - 0.1 yielded = 0.2; before the second: 0.45;
     # the gap before the prefill-only step has no request decoding through it
     assert g["gaps"] == 2 and g["over_100ms"] == 2

@@ -117,14 +117,19 @@ def late_steps(rows: Sequence[dict], ratio: float, min_s: float) -> dict:
 def step_gaps(rows: Sequence[dict]) -> dict:
     """Seconds between one step's end and the next one's start, less the yield before it, where
     the next step carries decodes (requests were in flight through the gap): median, p99, max
-    and how many exceed 0.1 s."""
-    gaps = np.array([b["t_s"] - b["seconds"] - a["t_s"] - b["yielded_s"]
-                     for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0])
-    if not len(gaps):
+    and how many exceed 0.1 s; and, for those, how much of each gap the co-server's own hooks
+    held (``hooks_s``; logs from before it was recorded count 0)."""
+    pairs = [(b["t_s"] - b["seconds"] - a["t_s"] - b["yielded_s"], b.get("hooks_s", 0.0))
+             for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0]
+    if not pairs:
         return {"gaps": 0}
+    gaps = np.array([g for g, _ in pairs])
     return {"gaps": len(gaps), "p50_ms": float(np.median(gaps) * 1e3),
             "p99_ms": float(np.quantile(gaps, 0.99) * 1e3), "max_ms": float(gaps.max() * 1e3),
-            "over_100ms": int((gaps > 0.1).sum())}
+            "over_100ms": int((gaps > 0.1).sum()),
+            "hooks_p50_ms": float(np.median([h for _, h in pairs]) * 1e3),
+            "long_gaps_ms": [{"gap_ms": round(g * 1e3, 1), "hooks_ms": round(h * 1e3, 1)}
+                             for g, h in pairs if g > 0.1]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,7 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if g["gaps"]:
             print(f"{name}: between steps with decodes in flight, unaccounted: median "
                   f"{g['p50_ms']:.1f} ms, p99 {g['p99_ms']:.1f} ms, max {g['max_ms']:.0f} ms, "
-                  f"{g['over_100ms']} over 100 ms")
+                  f"{g['over_100ms']} over 100 ms (the co-server's hooks: median "
+                  f"{g['hooks_p50_ms']:.1f} ms; in those: "
+                  + ", ".join(f"{x['hooks_ms']:.0f} of {x['gap_ms']:.0f}"
+                              for x in g["long_gaps_ms"]) + ")")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0

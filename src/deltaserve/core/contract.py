@@ -144,7 +144,8 @@ class StepRecord:
     """One executed step as a host logs it for timelines (``t_s``: its end, on
     ``time.monotonic()``; ``ft_tokens``: fine-tuning tokens it carried; ``yielded_s``: seconds
     the host lent the backward just before it, 0 where it did not yield; on a simulated host the
-    time promised, which an arrival may cut short)."""
+    time promised, which an arrival may cut short; ``hooks_s``: seconds the co-server's hooks
+    held the host's thread between the step before it and it, 0 without a co-server)."""
 
     t_s: float
     shape: StepShape
@@ -152,6 +153,7 @@ class StepRecord:
     ft_tokens: int
     aborted: bool
     yielded_s: float = 0.0
+    hooks_s: float = 0.0
 
 
 @runtime_checkable

@@ -298,8 +298,9 @@ class BaseHost(TrainingHost, ABC):
             # every host plans, runs, observes, then records a step: the co-server's yield
             # before the step it last planned is this step's
             co = self.coserver
-            yielded_s = co.step_yield_s if isinstance(co, CoServer) else 0.0
-            rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted, yielded_s)
+            yielded_s, hooks_s = ((co.step_yield_s, co.step_hooks_s) if isinstance(co, CoServer)
+                                  else (0.0, 0.0))
+            rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted, yielded_s, hooks_s)
             for listener in self._step_listeners:
                 listener(rec)
 

@@ -77,6 +77,11 @@ class CoServer:
         self._lent_reserve_s = 0.0  # the reserve the yield before the next step kept
         self._lent_s = 0.0  # seconds lent to the backward since the last planned step
         self.step_yield_s = 0.0  # seconds lent just before the step last planned (its record)
+        # seconds the co-server's own hooks held the host's thread between the step before the
+        # one last planned and it (that step's observe, this one's plan, the park wait
+        # included): the step's record, so time between steps is split into ours and the host's
+        self.step_hooks_s = 0.0
+        self._observe_s = 0.0
         # production counters (the service's /metrics reads them through stats())
         self._skips: Counter[str] = Counter()
         self._timing: Counter[str] = Counter()
@@ -118,6 +123,12 @@ class CoServer:
 
     # ---- the host contract (CoServingHooks) -------------------------------------------------
     def plan(self, view: SchedulingView) -> TrainingStep:
+        t0 = time.perf_counter()
+        step = self._plan(view)
+        self.step_hooks_s, self._observe_s = self._observe_s + time.perf_counter() - t0, 0.0
+        return step
+
+    def _plan(self, view: SchedulingView) -> TrainingStep:
         # a step's time runs from its planning, or from when the yield before it was due to
         # end if the host got the machine back later (the yield overran, the poll after it)
         self._planned_at_s, self._due_s = min(self._clock(), self._due_s), math.inf
@@ -146,6 +157,11 @@ class CoServer:
         return t.step(plan, rows, abortable, self._abort)
 
     def observe(self, report: StepReport) -> None:
+        t0 = time.perf_counter()
+        self._observe(report)
+        self._observe_s += time.perf_counter() - t0
+
+    def _observe(self, report: StepReport) -> None:
         t = self.trainer
         t.after_step()
         plan = report.step.plan

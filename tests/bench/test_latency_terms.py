@@ -93,3 +93,13 @@ def test_step_gaps_are_the_time_no_step_and_no_yield_holds_before_steps_with_dec
     assert g["gaps"] == 2 and g["over_100ms"] == 2
     assert g["max_ms"] == pytest.approx(450.0) and g["p50_ms"] == pytest.approx(325.0)
     assert step_gaps(rows[:1]) == {"gaps": 0}
+
+
+def test_step_gaps_split_a_gap_into_the_hosts_step_and_the_time_outside_it():
+    decode = StepShape((), 4, 100, ())
+    # the second step: planned at 1.6 (span 0.4), yielded 0.1, ran 0.05 from 1.95 to 2.0; the
+    # first step ended at 1.5, so 0.1 of the gap before it passed outside the host's step
+    rows = [step_row(StepRecord(1.5, decode, 0.2, 0, False), None),
+            step_row(StepRecord(2.0, decode, 0.05, 0, False, 0.1, span_s=0.4), None)]
+    gap = step_gaps(rows)["long_gaps_ms"]
+    assert gap == [{"gap_ms": 350.0, "hooks_ms": 0.0, "host_ms": 250.0, "outside_ms": 100.0}]

@@ -118,18 +118,30 @@ def step_gaps(rows: Sequence[dict]) -> dict:
     """Seconds between one step's end and the next one's start, less the yield before it, where
     the next step carries decodes (requests were in flight through the gap): median, p99, max
     and how many exceed 0.1 s; and, for those, how much of each gap the co-server's own hooks
-    held (``hooks_s``; logs from before it was recorded count 0)."""
-    pairs = [(b["t_s"] - b["seconds"] - a["t_s"] - b["yielded_s"], b.get("hooks_s", 0.0))
-             for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0]
+    held (``hooks_s``; logs from before it was recorded count 0) and how much the host's own
+    step held (its span less its forward and yield, the hooks in it included), where the host
+    measured its span (``span_s``): the rest passed outside the host's step."""
+    pairs = [(b["t_s"] - b["seconds"] - a["t_s"] - b["yielded_s"], b.get("hooks_s", 0.0),
+              _host_s(b)) for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0]
     if not pairs:
         return {"gaps": 0}
-    gaps = np.array([g for g, _ in pairs])
+    gaps = np.array([g for g, _, _ in pairs])
+    long = [{"gap_ms": round(g * 1e3, 1), "hooks_ms": round(h * 1e3, 1)}
+            | ({"host_ms": round(s * 1e3, 1), "outside_ms": round((g - s) * 1e3, 1)}
+               if s is not None else {})
+            for g, h, s in pairs if g > 0.1]
     return {"gaps": len(gaps), "p50_ms": float(np.median(gaps) * 1e3),
             "p99_ms": float(np.quantile(gaps, 0.99) * 1e3), "max_ms": float(gaps.max() * 1e3),
             "over_100ms": int((gaps > 0.1).sum()),
-            "hooks_p50_ms": float(np.median([h for _, h in pairs]) * 1e3),
-            "long_gaps_ms": [{"gap_ms": round(g * 1e3, 1), "hooks_ms": round(h * 1e3, 1)}
-                             for g, h in pairs if g > 0.1]}
+            "hooks_p50_ms": float(np.median([h for _, h, _ in pairs]) * 1e3),
+            "long_gaps_ms": long}
+
+
+def _host_s(row: dict) -> float | None:
+    """The seconds of a step's span that were neither its forward nor the yield before it
+    (``None`` where the host did not measure its span)."""
+    span_s = row.get("span_s", 0.0)
+    return span_s - row["seconds"] - row["yielded_s"] if span_s > 0 else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{g['over_100ms']} over 100 ms (the co-server's hooks: median "
                   f"{g['hooks_p50_ms']:.1f} ms; in those: "
                   + ", ".join(f"{x['hooks_ms']:.0f} of {x['gap_ms']:.0f}"
+                              + (f" (host {x['host_ms']:.0f}, outside {x['outside_ms']:.0f})"
+                                 if "host_ms" in x else "")
                               for x in g["long_gaps_ms"]) + ")")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -145,7 +145,11 @@ class StepRecord:
     ``time.monotonic()``; ``ft_tokens``: fine-tuning tokens it carried; ``yielded_s``: seconds
     the host lent the backward just before it, 0 where it did not yield; on a simulated host the
     time promised, which an arrival may cut short; ``hooks_s``: seconds the co-server's hooks
-    held the host's thread between the step before it and it, 0 without a co-server)."""
+    held the host's thread between the step before it and it, 0 without a co-server;
+    ``span_s``: seconds from the host starting to build the step to this record (its
+    scheduling, the yield and the co-server's hooks in it, the forward, sampling and output
+    handling), 0 where the host does not measure it: time between two steps that the later one's
+    span leaves out passed outside the host's step, in its loop or other threads and processes)."""
 
     t_s: float
     shape: StepShape
@@ -154,6 +158,7 @@ class StepRecord:
     aborted: bool
     yielded_s: float = 0.0
     hooks_s: float = 0.0
+    span_s: float = 0.0
 
 
 @runtime_checkable

@@ -290,8 +290,10 @@ class BaseHost(TrainingHost, ABC):
     def unsubscribe_steps(self, listener: StepListener) -> None:
         self._step_listeners.remove(listener)
 
-    def _record(self, shape: StepShape, seconds: float, ft_tokens: int, aborted: bool) -> None:
-        """A step ran: refit an inference-only latency model, tell the listeners."""
+    def _record(self, shape: StepShape, seconds: float, ft_tokens: int, aborted: bool,
+                span_s: float = 0.0) -> None:
+        """A step ran: refit an inference-only latency model, tell the listeners. ``span_s``:
+        the step's :attr:`StepRecord.span_s` where the host measures it."""
         if self.coserver is None and self.latency_model is not None and not shape.is_empty:
             self.latency_model.observe(shape, seconds)
         if self._step_listeners:
@@ -300,7 +302,8 @@ class BaseHost(TrainingHost, ABC):
             co = self.coserver
             yielded_s, hooks_s = ((co.step_yield_s, co.step_hooks_s) if isinstance(co, CoServer)
                                   else (0.0, 0.0))
-            rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted, yielded_s, hooks_s)
+            rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted, yielded_s, hooks_s,
+                             span_s)
             for listener in self._step_listeners:
                 listener(rec)
 

@@ -1,5 +1,8 @@
 """The embedded engine against transformers' generation (greedy, adapters via PEFT)."""
 
+import itertools
+import time
+
 import pytest
 import torch
 from peft import PeftModel
@@ -155,3 +158,20 @@ def test_step_from_two_threads_at_once_is_refused(tiny):
         eng.step()
     release.set()
     t.join()
+
+
+def test_each_step_records_its_span_and_time_outside_it_is_left_out(tiny):
+    """``StepRecord.span_s`` runs from the step's scheduling to its record: it holds the
+    forward and not the time the caller spends between steps (here a sleep)."""
+    eng = engine(tiny)
+    records = []
+    eng.subscribe_steps(records.append)
+    for p in prompts(3, seed=4):
+        eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+    outside_s = 0.03
+    while eng.step():
+        time.sleep(outside_s)
+    assert len(records) >= 4
+    assert all(r.seconds <= r.span_s for r in records)
+    for a, b in itertools.pairwise(records):
+        assert b.span_s <= b.t_s - a.t_s - outside_s

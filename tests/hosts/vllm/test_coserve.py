@@ -9,6 +9,7 @@ vLLM equal PEFT's. Observed through the contract only (steps, reports, events).
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -374,6 +375,10 @@ def test_the_backward_gets_priced_yields_before_steps_when_the_slos_leave_room(h
     records = [r for r in log.records if r.yielded_s > 0]
     assert len(records) == yields and all(r.shape.has_inference for r in records)
     assert sum(r.yielded_s for r in records) == pytest.approx(sum(g for _, g in spy.yields))
+    # each step's span (schedule() to its record) holds its yield and forward, and lies inside
+    # the time since the step before it (clocks: perf_counter and monotonic, 1 ms apart at most)
+    assert all(r.span_s >= r.seconds + r.yielded_s > 0 for r in log.records)
+    assert all(b.span_s <= b.t_s - a.t_s + 1e-3 for a, b in itertools.pairwise(log.records))
 
 
 def test_no_yield_where_the_slos_leave_no_slack(host, latency):

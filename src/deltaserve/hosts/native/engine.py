@@ -140,6 +140,7 @@ class LLMEngine(BaseHost):
         self.adapters.remove(name)
 
     def _engine_step(self) -> bool:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         mode = self.runner.mode_for(batch)
         co = self.coserver
@@ -147,7 +148,7 @@ class LLMEngine(BaseHost):
             if batch.is_empty:
                 return False
             result, seconds = self._timed_run(batch, None)
-            self._record(step_shape(batch, mode), seconds, 0, False)
+            self._record(step_shape(batch, mode), seconds, 0, False, time.perf_counter() - t0)
             self._postprocess(batch, result)
             return True
         view = scheduling_view(batch, self.scheduler, time.monotonic(), mode)
@@ -158,7 +159,8 @@ class LLMEngine(BaseHost):
         result, seconds = self._timed_run(batch, step)
         shape = step.plan.shape if step.rows.num_samples else step_shape(batch, result.mode)
         co.observe(StepReport(step, shape, seconds, result.aborted, result.layers_run))
-        self._record(shape, seconds, step.rows.num_tokens, result.aborted)
+        self._record(shape, seconds, step.rows.num_tokens, result.aborted,
+                     time.perf_counter() - t0)
         self._postprocess(batch, result)
         return True
 

@@ -29,8 +29,9 @@ if TYPE_CHECKING:  # these modules import this one
     from deltaserve.hosts.vllm.publish import AdapterPublisher
     from deltaserve.hosts.vllm.scheduler import CoServingScheduler
 
-# An executed step: its shape, forward seconds, fine-tuning tokens, aborted.
-StepListener = Callable[[StepShape, float, int, bool], None]
+# An executed step: its shape, forward seconds, fine-tuning tokens, aborted, and the seconds
+# from its schedule() to this call (StepRecord.span_s).
+StepListener = Callable[[StepShape, float, int, bool, float], None]
 
 
 @dataclass(eq=False)

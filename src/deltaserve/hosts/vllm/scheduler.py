@@ -64,6 +64,7 @@ class _Dispatched:
 
     executed: Executed
     t_s: float  # time.perf_counter() when schedule() returned
+    began_s: float  # time.perf_counter() when schedule() was called
     co: CoServingHooks | None = None
     step: TrainingStep | None = None
     req_ids: tuple[str, ...] = ()
@@ -151,6 +152,7 @@ class CoServingScheduler(Scheduler):
 
     # ---- schedule ---------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        began_s = time.perf_counter()
         self._settle_unobserved()
         link = self.link
         link.rows = None
@@ -160,16 +162,17 @@ class CoServingScheduler(Scheduler):
             so = super().schedule(throttle_prefills)
             ex = self._executed(so)
             link.rows = cal.rows_for(ex)
-            self._dispatched = _Dispatched(ex, time.perf_counter(), calibration=cal)
+            self._dispatched = _Dispatched(ex, time.perf_counter(), began_s, calibration=cal)
             return so
         co = link.coserver
         if co is None:
             so = super().schedule(throttle_prefills)
-            self._dispatched = _Dispatched(self._executed(so), time.perf_counter())
+            self._dispatched = _Dispatched(self._executed(so), time.perf_counter(), began_s)
             return so
-        return self._schedule_with(co, throttle_prefills)
+        return self._schedule_with(co, throttle_prefills, began_s)
 
-    def _schedule_with(self, co: CoServingHooks, throttle_prefills: bool) -> SchedulerOutput:
+    def _schedule_with(self, co: CoServingHooks, throttle_prefills: bool,
+                       began_s: float) -> SchedulerOutput:
         view, _ = scheduling_view(self, self.hidden, self._last_token_s)
         view = replace(view, proposed=self._with_mode(view.proposed))
         wake = self.link.wake
@@ -180,7 +183,7 @@ class CoServingScheduler(Scheduler):
         so = super().schedule(throttle_prefills)
         ex = self._executed(so)
         lengths = step.rows.lengths
-        d = _Dispatched(ex, 0.0, co, step, ids)
+        d = _Dispatched(ex, 0.0, began_s, co, step, ids)
         d.whole = len(ids) == len(lengths) and all(
             ex.hidden.get(rid) == (0, n) for rid, n in zip(ids, lengths, strict=True))
         if lengths and not d.whole:
@@ -266,7 +269,7 @@ class CoServingScheduler(Scheduler):
         self.link.steps += 1
         if self.link.on_step is not None:
             ft = m.shape.num_ft_tokens if d.step is not None else 0
-            self.link.on_step(m.shape, m.seconds, ft, m.aborted)
+            self.link.on_step(m.shape, m.seconds, ft, m.aborted, time.perf_counter() - d.began_s)
         return True
 
     def _report(self, d: _Dispatched, layout: RowLayout | None, m: _Measured) -> None:

@@ -59,3 +59,17 @@ def test_wait_times_out_while_cleared():
     t = time.monotonic()
     assert not grant.wait(timeout_s=0.05)
     assert time.monotonic() - t >= 0.05
+
+
+def test_a_deadline_admits_only_layers_that_end_by_it():
+    grant = Grant(mp.get_context("spawn"))
+    assert grant.admits(1e6)  # set without a deadline: any layer
+    grant.set(until_s=time.monotonic() + 0.5)
+    assert grant.admits(0.0) and grant.admits(0.1) and not grant.admits(5.0)
+    t = time.monotonic()
+    assert not grant.wait(timeout_s=0.05, layer_s=5.0)  # a layer that would overrun waits
+    assert time.monotonic() - t >= 0.05
+    grant.clear()
+    assert not grant.admits(0.0)
+    grant.set()  # the deadline goes with the next set
+    assert grant.admits(1e6)

@@ -104,7 +104,7 @@ class BackwardDriver:
     def lend(self, seconds: float, wake: threading.Event) -> float:
         """Let the backward run for ``seconds`` or until ``wake``; the time given."""
         t0 = time.monotonic()
-        self.process.grant.set()
+        self.process.grant.set(until_s=t0 + seconds)  # no layer that would run past the yield
         wake.wait(seconds)
         return time.monotonic() - t0
 

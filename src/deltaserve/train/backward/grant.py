@@ -6,10 +6,17 @@ waiter has acknowledged its wake-up, so a backward killed while paused on the gr
 a crash, ``SIGKILL``) would hang the host on its next ``set()`` forever. A bare byte has no lock
 and no waiter bookkeeping for a dead process to leave behind; the cost is that a paused backward
 polls, waking at most ``poll_s`` late.
+
+A grant may carry a deadline (a yield: the host lends the machine until a step is due). The
+backward then starts a layer only if the layer, as long as it took last time, ends by the
+deadline: a layer is not interruptible, and one that ran past the yield would delay the step the
+host takes the machine back for by the rest of it (the layer through the LM head and the loss
+is several decoder layers long). Both processes read ``time.monotonic()``, one clock on Linux.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from multiprocessing.context import BaseContext
 
@@ -17,9 +24,13 @@ from multiprocessing.context import BaseContext
 class Grant:
     def __init__(self, ctx: BaseContext, poll_s: float = 2e-4):
         self._flag = ctx.Value("b", 1, lock=False)  # set: the backward may compute
+        self._until_s = ctx.Value("d", math.inf, lock=False)  # ... layers that end by then
         self.poll_s = poll_s
 
-    def set(self) -> None:
+    def set(self, until_s: float = math.inf) -> None:
+        """Let the backward compute; with ``until_s`` (``time.monotonic()``), only layers that
+        end by then."""
+        self._until_s.value = until_s  # before the flag: a reader never sees a stale deadline
         self._flag.value = 1
 
     def clear(self) -> None:
@@ -28,10 +39,15 @@ class Grant:
     def is_set(self) -> bool:
         return bool(self._flag.value)
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until set; ``False`` if ``timeout_s`` passes first."""
+    def admits(self, layer_s: float) -> bool:
+        """Set, and a layer of ``layer_s`` seconds started now ends by its deadline."""
+        return bool(self._flag.value) and time.monotonic() + layer_s <= self._until_s.value
+
+    def wait(self, timeout_s: float | None = None, layer_s: float = 0.0) -> bool:
+        """Block until it admits a layer of ``layer_s`` seconds; ``False`` if ``timeout_s``
+        passes first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._flag.value:
+        while not self.admits(layer_s):
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             time.sleep(self.poll_s)

@@ -149,16 +149,23 @@ class _Worker:
         self.parent = mp.parent_process()
         self.step = -1
         self.layer_t0 = time.perf_counter()
+        # each layer's compute seconds the last time it ran, by (validation job, layer index):
+        # a layer is the same work in every job of a full batch; the last decoder layer's
+        # includes the LM head and the loss
+        self.layer_s: dict[tuple[bool, int], float] = {}
+        self.evaluating = False
 
     def orphaned(self) -> bool:
         return self.parent is not None and not self.parent.is_alive()
 
     def wait_grant(self, layer: int) -> float:
-        if self.grant.is_set():
+        """Wait until the grant admits ``layer`` (as long as it last took); the seconds waited."""
+        layer_s = self.layer_s.get((self.evaluating, layer), 0.0)
+        if self.grant.admits(layer_s):
             return 0.0
         t = time.perf_counter()
         self.parked.value = 1
-        while not self.grant.wait(timeout_s=1.0):
+        while not self.grant.wait(timeout_s=1.0, layer_s=layer_s):
             if self.orphaned():
                 raise SystemExit(0)  # orphaned while paused: nobody will set the grant
         self.parked.value = 0
@@ -184,12 +191,14 @@ class _Worker:
 
     def on_layer(self, layer: int) -> None:
         now = time.perf_counter()
+        self.layer_s[(self.evaluating, layer)] = now - self.layer_t0
         self.results.put(LayerDone(self.step, layer, now - self.layer_t0))
         self.layer_t0 = now
 
     def run(self, job: BackwardJob | EvalJob) -> None:
         self.parked.value = 0  # computing; it checks the grant before its first layer
         self.step, self.layer_t0 = job.step, time.perf_counter()
+        self.evaluating = isinstance(job, EvalJob)
         done: BackwardDone | EvalDone
         try:
             if isinstance(job, EvalJob):

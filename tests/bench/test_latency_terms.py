@@ -5,6 +5,7 @@ predictions'."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
@@ -27,6 +28,9 @@ def test_a_step_log_round_trips_shape_seconds_and_prediction(tmp_path):
     assert shape_of(rows[0]).after_yield and not shape_of(rows[1]).after_yield
     assert [r["predicted_s"] for r in rows] == [0.2, None]
     assert rows[0]["yielded_s"] == 0.1 and rows[0]["ft_tokens"] == 16 and rows[1]["aborted"]
+    packed = tmp_path / "x.jsonl.gz"  # as committed beside a run's results
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert read_steps(packed) == rows
 
 
 def _closed_form_steps(per_decode_s: float, n: int = 120) -> list[dict]:

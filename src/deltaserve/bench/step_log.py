@@ -5,6 +5,7 @@ error comes from (:mod:`deltaserve.bench.latency_terms` refits it on these with 
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -42,4 +43,7 @@ def write_steps(path: Path, steps: Sequence[StepRecord],
 
 
 def read_steps(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a step log (gzip-compressed where its name ends in ``.gz``, as committed)."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" \
+        else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -39,15 +39,20 @@ from deltaserve.train.backward.messages import (
     BackwardJob,
     EvalDone,
     EvalJob,
+    JobSample,
     LayerDone,
     Stop,
     WorkerReady,
 )
 from deltaserve.train.backward.recompute import BackwardStats, GrantWait, layerwise_backward
-from deltaserve.train.buffer import ActivationBuffer
+from deltaserve.train.buffer import ActivationBuffer, BufferConfig
 from deltaserve.train.config import DataParallelConfig
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw
 from deltaserve.train.publish import PublishGuard, publish, roll_back
+
+# the synthetic sample each process times its layers on before its first job: long enough that
+# a layer's time is its compute (a layer's cost per token at a job's size is then at most it)
+_TIMING_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -149,18 +154,46 @@ class _Worker:
         self.parent = mp.parent_process()
         self.step = -1
         self.layer_t0 = time.perf_counter()
-        # each layer's compute seconds the last time it ran, by (validation job, layer index):
-        # a layer is the same work in every job of a full batch; the last decoder layer's
-        # includes the LM head and the loss
-        self.layer_s: dict[tuple[bool, int], float] = {}
-        self.evaluating = False
+        # each layer's compute seconds per unit of work the last time it ran, by (validation
+        # job, layer index); a unit is a token of a backward job (a layer's cost grows with the
+        # job's tokens; the last decoder layer's includes the LM head and the loss), and a whole
+        # validation job (the same held-out samples every time)
+        self.layer_rate_s: dict[tuple[bool, int], float] = {}
+        self.evaluating, self.job_units = False, 1
+
+    def time_layers(self, num_tokens: int = _TIMING_TOKENS) -> None:
+        """Time every layer once, on one synthetic sample of ``num_tokens``, before the first
+        job: a layer is admitted into a yield by its time, and the first job's longest layer
+        (the one through the LM head and the loss) would otherwise start untimed and run past
+        the yield it started in. The adapter and its optimizer are left as they were (only the
+        gradient is touched, and dropped)."""
+        cfg, device = self.shared.model_config, self.trainable.flat.device
+        buffer = ActivationBuffer(BufferConfig(num_tokens), cfg, self.shared.buffer.residual.dtype,
+                                  device)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        buffer.residual.copy_(torch.randn(buffer.residual.shape, generator=g))
+        labels = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=g).tolist()
+        self.evaluating, self.job_units = False, num_tokens
+        self.layer_t0 = time.perf_counter()
+        layerwise_backward(self.model, self.trainable, buffer,
+                           [JobSample(-1, 0, tuple(labels), 0)], 0.0, on_layer=self._timed)
+        self.trainable.gather_grad_()
+        self.trainable.flat.grad = None
+
+    def _timed(self, layer: int) -> None:
+        now = time.perf_counter()
+        self.layer_rate_s[(self.evaluating, layer)] = (now - self.layer_t0) / self.job_units
+        self.layer_t0 = now
 
     def orphaned(self) -> bool:
         return self.parent is not None and not self.parent.is_alive()
 
     def wait_grant(self, layer: int) -> float:
-        """Wait until the grant admits ``layer`` (as long as it last took); the seconds waited."""
-        layer_s = self.layer_s.get((self.evaluating, layer), 0.0)
+        """Wait until the grant admits ``layer`` (its cost: the last run's rate times this job's
+        units; every backward layer is timed before the first job, a validation job's layers on
+        its first run; the optimizer step, ``layer`` -1, counts as free); the seconds waited."""
+        rate_s = self.layer_rate_s.get((self.evaluating, layer), 0.0)
+        layer_s = rate_s * self.job_units
         if self.grant.admits(layer_s):
             return 0.0
         t = time.perf_counter()
@@ -190,15 +223,14 @@ class _Worker:
         return reduced
 
     def on_layer(self, layer: int) -> None:
-        now = time.perf_counter()
-        self.layer_s[(self.evaluating, layer)] = now - self.layer_t0
-        self.results.put(LayerDone(self.step, layer, now - self.layer_t0))
-        self.layer_t0 = now
+        self.results.put(LayerDone(self.step, layer, time.perf_counter() - self.layer_t0))
+        self._timed(layer)
 
     def run(self, job: BackwardJob | EvalJob) -> None:
         self.parked.value = 0  # computing; it checks the grant before its first layer
         self.step, self.layer_t0 = job.step, time.perf_counter()
         self.evaluating = isinstance(job, EvalJob)
+        self.job_units = 1 if isinstance(job, EvalJob) else max(1, job.num_tokens)
         done: BackwardDone | EvalDone
         try:
             if isinstance(job, EvalJob):
@@ -234,6 +266,7 @@ def worker_main(spec: WorkerSpec, shared: SharedState, jobs: Queue, results: Que
     """The process's entry point: report ready, then run jobs until ``Stop`` or orphaned."""
     torch.set_num_threads(spec.num_threads)
     worker = _Worker(spec, shared, results, grant, parked)
+    worker.time_layers()
     results.put(WorkerReady(os.getpid()))
     while True:
         try:

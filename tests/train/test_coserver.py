@@ -142,8 +142,8 @@ def test_grant_pauses_backward_within_one_layer(tmp_path):
 def test_a_yield_starts_only_the_layers_that_end_by_its_deadline(tmp_path):
     """A grant lent until a deadline (a yield before a host step) admits a layer only if the
     layer, as long as it took when the process timed it, ends by then: the backward does not
-    overrun the yield into the step. A deadline already past admits nothing, the first job's
-    first layer included (timed before the job); one far off admits every layer."""
+    overrun the yield into the step. A deadline already past admits nothing; one far off
+    admits every layer."""
     deep = tmp_path / "deep"
     hf_tiny_llama(seed=7, num_hidden_layers=12).save_pretrained(deep)
     co = fx.coserver(deep, fx.samples(8), batch_tokens=10_000)

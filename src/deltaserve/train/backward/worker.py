@@ -180,10 +180,12 @@ class _Worker:
         self.trainable.gather_grad_()
         self.trainable.flat.grad = None
 
-    def _timed(self, layer: int) -> None:
+    def _timed(self, layer: int) -> float:
+        """Keep ``layer``'s rate from its compute seconds since ``layer_t0``; those seconds."""
         now = time.perf_counter()
-        self.layer_rate_s[(self.evaluating, layer)] = (now - self.layer_t0) / self.job_units
-        self.layer_t0 = now
+        seconds, self.layer_t0 = now - self.layer_t0, now
+        self.layer_rate_s[(self.evaluating, layer)] = seconds / self.job_units
+        return seconds
 
     def orphaned(self) -> bool:
         return self.parent is not None and not self.parent.is_alive()
@@ -223,8 +225,7 @@ class _Worker:
         return reduced
 
     def on_layer(self, layer: int) -> None:
-        self.results.put(LayerDone(self.step, layer, time.perf_counter() - self.layer_t0))
-        self._timed(layer)
+        self.results.put(LayerDone(self.step, layer, self._timed(layer)))
 
     def run(self, job: BackwardJob | EvalJob) -> None:
         self.parked.value = 0  # computing; it checks the grant before its first layer

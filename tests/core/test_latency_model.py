@@ -312,3 +312,34 @@ def test_a_step_after_a_yield_has_its_own_level_starting_from_its_kinds():
     assert m.predict(s) == pytest.approx(1.2 * true_time(s), rel=0.05)
     assert m.level(StepKind.DECODE, ExecMode.EAGER, True) > m.level(StepKind.DECODE,
                                                                      ExecMode.EAGER)
+
+
+def test_a_late_mixed_ft_step_prices_the_next_ones_at_its_lateness():
+    """The tail margin: once a mixed+ft step ran 30 % over its prediction, every mixed+ft shape
+    is priced ≥ 1.3× its point estimate (the pricer too), inference-only shapes keep the fit's
+    margin, and the lateness ages out after ``tail_window`` on-time mixed+ft steps."""
+    rng = np.random.default_rng(23)
+    cfg = LatencyModelConfig(level_rate=0.0, tail_window=16)
+    m = fit_from(observations(rng, [p.shape for p in build_plan(LIMITS) for _ in range(3)],
+                              noise=0.0), cfg)
+    base = StepShape((120,), num_decode=6, kv_tokens=900)
+    mixed = base.with_ft((64, 64))
+    fit_margin = m.margin(Equation.MIXED, ExecMode.EAGER)
+    assert fit_margin < 0.05
+    assert m.predict_upper(mixed) == pytest.approx(m.predict(mixed) * (1 + fit_margin))
+    m.observe(mixed, 1.3 * m.predict(mixed))
+    assert m.predict_upper(mixed) == pytest.approx(m.predict(mixed) * 1.3, rel=1e-6)
+    assert m.ft_pricer(base).upper_s(2 * 64 * 64, 128) == pytest.approx(
+        m.predict_upper(mixed), rel=1e-12)
+    assert m.predict_upper(base) == pytest.approx(m.predict(base) * (1 + fit_margin))
+    assert m.predict_upper(StepShape(ft_lens=(64,))) < 1.1 * m.predict(StepShape(ft_lens=(64,)))
+    for _ in range(16):
+        m.observe(mixed, m.predict(mixed))
+    assert m.predict_upper(mixed) < 1.1 * m.predict(mixed)
+
+
+def test_tail_settings_are_checked():
+    with pytest.raises(InputError, match="tail_quantile"):
+        LatencyModelConfig(tail_quantile=0.0)
+    with pytest.raises(InputError, match="tail_window"):
+        LatencyModelConfig(tail_window=0)

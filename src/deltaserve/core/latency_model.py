@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,6 +60,13 @@ class LatencyModelConfig:
     of similar online steps cannot make the fit forget shapes it has not seen lately.
     ``level_rate``: the weight of each served step in its kind's level (an exponential moving
     average of actual ÷ fitted; 0: no level, predictions are the fit alone).
+    ``tail_quantile`` / ``tail_window``: a step carrying inference rows beside fine-tuning rows is
+    priced with at least this quantile of ``actual/predicted - 1`` over the last ``tail_window``
+    such steps as served (predicted online, before each was learnt), clipped like the margin.
+    Quantile 1, as the yield reserve: one late mixed step fails every request decoding through
+    it, and such steps ran 5-19 % over their prediction (vLLM, ``2026-12-06-vllm-burst-light-r3-
+    timed``) where the pooled p95 margin of Equation I, dominated by inference-only steps, did not
+    cover them.
     """
 
     window: int = 512
@@ -71,6 +79,8 @@ class LatencyModelConfig:
     keep_calibration: bool = True
     error_window: int = 4096
     level_rate: float = 0.1
+    tail_quantile: float = 1.0
+    tail_window: int = 64
 
     def __post_init__(self) -> None:
         require(self.window >= 8, "window", self.window, "must be >= 8 observations")
@@ -85,6 +95,9 @@ class LatencyModelConfig:
         require(self.error_window >= 1, "error_window", self.error_window, "must be >= 1")
         require(0.0 <= self.level_rate <= 1.0, "level_rate", self.level_rate,
                 "must be in [0, 1]")
+        require(0.0 < self.tail_quantile <= 1.0, "tail_quantile", self.tail_quantile,
+                "must be in (0, 1]")
+        require(self.tail_window >= 1, "tail_window", self.tail_window, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,9 @@ class LatencyModel:
         self._margin = dict.fromkeys(_KEYS, self.config.margin_floor)
         self._errors = {m: FeatureRing(self.config.error_window, 1) for m in ExecMode}
         self._levels = StepLevels(self.config.level_rate)
+        # actual/predicted - 1 of the last tail_window mixed+ft steps, and its tail quantile
+        self._mixed_ft_late: deque[float] = deque(maxlen=self.config.tail_window)
+        self._mixed_ft_tail: float | None = None
         self.version = 0  # bumps on every refit or level change: callers cache derived numbers
 
     # ---- data -------------------------------------------------------------------------------
@@ -165,6 +181,8 @@ class LatencyModel:
             if self.is_calibrated else None
         if predicted is not None and math.isfinite(predicted):
             self._errors[shape.mode].push((predicted,), seconds)
+            if kind_of(shape) is StepKind.MIXED_FT and predicted > 0:
+                self._learn_tail(seconds / predicted - 1.0)
         self._learn_level(shape, seconds, fitted)
         if shape.after_yield:
             # the fit is the machine with no yield before its steps: an after-yield step moves
@@ -181,6 +199,20 @@ class LatencyModel:
         if math.isfinite(fitted) and fitted > 0 and self._levels.learn(
                 kind_of(shape), shape.mode, shape.after_yield, seconds / fitted):
             self.version += 1
+
+    def _learn_tail(self, late: float) -> None:
+        self._mixed_ft_late.append(late)
+        q = float(np.quantile(np.fromiter(self._mixed_ft_late, float), self.config.tail_quantile))
+        self._mixed_ft_tail = min(max(q, self.config.margin_floor), self.config.margin_cap)
+        self.version += 1
+
+    def _margin_of(self, key: tuple[Equation, ExecMode], kind: StepKind) -> float:
+        """The margin a step of ``kind`` priced by ``key``'s fit is inflated by: the fit's,
+        and for a mixed+ft step at least the tail of the served ones (none seen: the fit's)."""
+        margin = self._margin[key]
+        if kind is StepKind.MIXED_FT and self._mixed_ft_tail is not None:
+            return max(margin, self._mixed_ft_tail)
+        return margin
 
     def level(self, kind: StepKind, mode: ExecMode, after_yield: bool = False) -> float:
         """Actual ÷ fitted of recent served steps of ``kind`` (see :class:`StepLevels`)."""
@@ -258,7 +290,7 @@ class LatencyModel:
         if found is None:
             return math.inf
         key, _ = found
-        return self.predict(shape) * (1.0 + self._margin[key])
+        return self.predict(shape) * (1.0 + self._margin_of(key, kind_of(shape)))
 
     def ft_pricer(self, shape: StepShape) -> FtPricer | None:
         """Prices the inference batch of ``shape`` plus fine-tuning samples without building a
@@ -277,7 +309,8 @@ class LatencyModel:
         rows = shape.num_prefill_tokens + shape.num_decode
         base = coef[0] * infer_sq + coef[1] * rows + coef[3] * shape.kv_tokens + coef[4]
         kind = StepKind.MIXED_FT if shape.has_inference else StepKind.FT_ONLY
-        scale = (1.0 + self._margin[key]) * self.level(kind, ExecMode.EAGER, shape.after_yield)
+        scale = (1.0 + self._margin_of(key, kind)) * self.level(kind, ExecMode.EAGER,
+                                                                 shape.after_yield)
         return FtPricer(float(base), float(coef[0]), float(coef[2]), scale,
                         float(coef[5] * rows))
 

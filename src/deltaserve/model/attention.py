@@ -54,20 +54,58 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
+class PaddedSegments:
+    """Independent sequences laid end to end (``lengths`` rows each), as one right-padded batch
+    ``[S, L]`` (``L`` the longest): ``gather[s, j]`` is the row at position ``j`` of sequence
+    ``s`` (padding repeats the sequence's last row), ``valid`` the flat index of every real row
+    in that batch, in row order. Built once (host work, one copy to the device), read by every
+    layer, so attention over all the sequences is one call with no per-sequence loop.
+
+    Padding is exact under a causal mask: a real query at position ``j < n`` sees only keys at
+    ``≤ j``, never a padded one, and padded queries' outputs are dropped (so no gradient flows
+    through them). It costs ``S·L²`` instead of ``Σn²`` attention work: admission adds samples
+    shortest first, so a step's lengths are close."""
+
+    def __init__(self, lengths: list[int] | tuple[int, ...], device: torch.device | str,
+                 starts: list[int] | tuple[int, ...] | None = None):
+        """``starts``: each sequence's first row (default: end to end from row 0)."""
+        n = torch.tensor(lengths, dtype=torch.long)
+        first = torch.cumsum(n, 0) - n if starts is None else torch.tensor(starts,
+                                                                           dtype=torch.long)
+        width = int(n.max())
+        pos = torch.arange(width)
+        gather = first[:, None] + torch.minimum(pos[None, :], n[:, None] - 1)
+        valid = (pos[None, :] < n[:, None]).reshape(-1).nonzero().squeeze(1)
+        self.gather = gather.to(device)
+        self.valid = valid.to(device)
+        self.rows = gather.reshape(-1)[valid].to(device)  # each real row's row, in order
+        self.num_segments = len(lengths)
+
+
+def segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       segments: PaddedSegments) -> torch.Tensor:
+    """Each sequence of ``segments`` attends causally to itself only, in one SDPA call: q/k/v
+    [T, H, D] (the rows ``segments`` index) → [Σn, Hq·D], in ``segments.rows`` order."""
+    idx = segments.gather
+    out = F.scaled_dot_product_attention(
+        q[idx].transpose(1, 2), k[idx].transpose(1, 2), v[idx].transpose(1, 2), is_causal=True,
+        enable_gqa=q.shape[1] != k.shape[1])  # [S, Hq, L, D]
+    flat = out.transpose(1, 2).reshape(idx.numel(), -1)
+    return flat.index_select(0, segments.valid)
+
+
 class CausalSegments:
     """Independent sequences laid end to end, each attending causally to itself only (the
-    layout of training rows, and of a packed prefill with no cache)."""
+    layout of training rows, and of a packed prefill with no cache): one attention call per
+    layer over the padded batch (:class:`PaddedSegments`), built here, before any layer, on
+    the ``device`` the forward runs on."""
 
-    def __init__(self, lengths: list[int] | tuple[int, ...]):
+    def __init__(self, lengths: list[int] | tuple[int, ...], device: torch.device | str = "cpu"):
         self.lengths = tuple(int(n) for n in lengths)
+        self._padded = PaddedSegments(self.lengths, device) if len(self.lengths) > 1 else None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> torch.Tensor:
-        if len(self.lengths) == 1:
+        if self._padded is None:
             return causal_attention(q, k, v)
-        outs, start = [], 0
-        for n in self.lengths:
-            outs.append(causal_attention(q[start:start + n], k[start:start + n],
-                                         v[start:start + n]))
-            start += n
-        return torch.cat(outs)
+        return segments_attention(q, k, v, self._padded)

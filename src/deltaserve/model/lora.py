@@ -6,15 +6,16 @@ optimizer over the flat tensor is element-wise identical to one over the separat
 
 In a batch, every token goes through the base matmul once; each adapter's low-rank update is then
 applied to its own rows (:class:`LoRAGroup`), never by gathering a full matrix per token.
-LoRA dropout on training rows draws its mask from a generator seeded by (sample, layer, module),
-so the backward process replays exactly the mask the forward used.
+LoRA dropout on training rows draws its mask as a hash of (sample seed, layer, module, row in the
+sample, column), for every sample at once, so the backward process replays exactly the mask the
+forward used.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -175,15 +176,68 @@ class DropoutSegment:
     seed: int
 
 
+# A 32-bit integer hash (Wellons' "lowbias32" shape, with multipliers below 2^31 so that every
+# product of a 32-bit value stays inside int64): the dropout mask is a function of (sample seed,
+# layer, module, row in the sample, column), computed for all rows at once on any device with
+# no generator per sample, and replayed bit for bit by the backward.
+_MASK32 = 0xFFFFFFFF
+_MUL = (0x7FEB352D, 0x2C1B3C6D)
+
+
+def _hash32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """``x`` in [0, 2³²) (int64 tensor or int) → a hash in the same range."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL[0]) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL[1]) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _fold32(value: int) -> int:
+    """Any int (a seed) → [0, 2³²), every bit of it mixed in."""
+    out, value = 0, value % (1 << 64)
+    for shift in (0, 32):
+        out = int(_hash32(out ^ ((value >> shift) & _MASK32)))
+    return out
+
+
+class DropoutKeys:
+    """Per row of a group: its sample's seed (folded) and its position in the sample (hashed),
+    on the device, built once before the step so that no layer copies anything to the device."""
+
+    def __init__(self, segments: tuple[DropoutSegment, ...], device: torch.device | str):
+        seeds: list[int] = []
+        positions: list[int] = []
+        for seg in segments:
+            seeds += [_fold32(seg.seed)] * seg.length
+            positions += range(seg.length)
+        self.seed = torch.tensor(seeds, dtype=torch.long, device=device)
+        self.position = _hash32(torch.tensor(positions, dtype=torch.long) ^ 0x5BD1E995).to(device)
+
+    def keep(self, cols: int, p: float, layer: int, module: str) -> torch.Tensor:
+        """[rows, cols] bool: True where an entry is kept (probability 1 − ``p``)."""
+        site = _fold32(layer * len(ALL_MODULES) + ALL_MODULES.index(module) + 1)
+        row = _hash32(_hash32(self.seed ^ site) ^ self.position)
+        col = _hash32(torch.arange(cols, dtype=torch.long, device=self.seed.device) ^ site)
+        u = _hash32(row[:, None] ^ col[None, :])
+        return u < round((1.0 - p) * 2**32)
+
+
 @dataclass(frozen=True)
 class LoRAGroup:
     """Rows of a batch that use ``adapter``; ``rows`` is a slice (contiguous rows) or an index
-    tensor. ``dropout`` > 0 only on training rows, with one seeded segment per sample."""
+    tensor. ``dropout`` > 0 only on training rows, with one seeded segment per sample; the rows'
+    dropout keys are built on the adapter's device with the group, before any layer runs."""
 
     adapter: AdapterWeights
     rows: slice | torch.Tensor
     dropout: float = 0.0
     segments: tuple[DropoutSegment, ...] = ()
+    keys: DropoutKeys | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dropout > 0.0:
+            object.__setattr__(self, "keys", DropoutKeys(self.segments, self.adapter.flat.device))
 
 
 def training_group(adapter: AdapterWeights, rows: slice | torch.Tensor,
@@ -197,22 +251,16 @@ def training_group(adapter: AdapterWeights, rows: slice | torch.Tensor,
     return LoRAGroup(adapter, rows, training.dropout, tuple(segments))
 
 
-def _mix(seed: int, layer: int, module: str) -> int:
-    return (seed * 1_000_003 + layer * 7_919 + ALL_MODULES.index(module) * 104_729) % (2**63 - 1)
-
-
 def dropout_(x: torch.Tensor, p: float, segments: tuple[DropoutSegment, ...], layer: int,
-             module: str) -> torch.Tensor:
-    """Inverted dropout with a mask replayable from (sample seed, layer, module)."""
-    masks = []
-    for seg in segments:
-        gen = torch.Generator(device=x.device).manual_seed(_mix(seg.seed, layer, module))
-        masks.append(torch.empty((seg.length, x.shape[1]), dtype=x.dtype, device=x.device)
-                     .bernoulli_(1.0 - p, generator=gen))
-    mask = masks[0] if len(masks) == 1 else torch.cat(masks)
-    require(mask.shape[0] == x.shape[0], "dropout segments", [s.length for s in segments],
-            f"cover {mask.shape[0]} rows, the group has {x.shape[0]}")
-    return x * mask / (1.0 - p)
+             module: str, keys: DropoutKeys | None = None) -> torch.Tensor:
+    """Inverted dropout whose mask is a function of (sample seed, layer, module, row in the
+    sample, column): a sample draws the same mask wherever it sits in a batch. ``keys``: the
+    segments' keys, built beforehand (here when not given)."""
+    if keys is None:
+        keys = DropoutKeys(segments, x.device)
+    require(keys.seed.shape[0] == x.shape[0], "dropout segments", [s.length for s in segments],
+            f"cover {keys.seed.shape[0]} rows, the group has {x.shape[0]}")
+    return x * keys.keep(x.shape[1], p, layer, module) / (1.0 - p)
 
 
 def apply_lora(y: torch.Tensor, x: torch.Tensor, groups: tuple[LoRAGroup, ...], layer: int,
@@ -225,7 +273,7 @@ def apply_lora(y: torch.Tensor, x: torch.Tensor, groups: tuple[LoRAGroup, ...], 
         b = g.adapter.b(layer, module).to(x.dtype)
         xs = x[g.rows]
         if g.dropout > 0.0:
-            xs = dropout_(xs, g.dropout, g.segments, layer, module)
+            xs = dropout_(xs, g.dropout, g.segments, layer, module, g.keys)
         delta = (xs @ a.t()) @ b.t() * g.adapter.config.scaling
         if isinstance(g.rows, slice):
             if g.rows == slice(None) or (g.rows.start in (0, None) and g.rows.stop == len(y)):

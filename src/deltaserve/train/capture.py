@@ -31,7 +31,7 @@ def forward_training_rows(model: LlamaModel, step: TrainingStep, adapter: Adapte
     ids = torch.tensor(rows.flat_token_ids(), dtype=torch.long, device=model.weights.device)
     positions = torch.tensor(rows.positions(), dtype=torch.long, device=ids.device)
     mlp_hook = step.capture_mlp if step.saves_mlp else None
-    ctx = ForwardContext(positions, CausalSegments(rows.lengths),
+    ctx = ForwardContext(positions, CausalSegments(rows.lengths, ids.device),
                          (training_group(adapter, slice(0, len(ids)), rows),), mlp_hook=mlp_hook)
 
     def hook(layer: int, h: torch.Tensor) -> None:

@@ -4,6 +4,11 @@ Row layout of a step: decode rows, then prefill-chunk rows, then training rows. 
 write their K/V into the cache; decodes attend over their cached context (gathered by block
 table, padded to the longest); a prefill chunk attends causally over its cached prefix and
 itself; training rows attend only among themselves (they never touch the cache).
+
+Everything a layer's attention indexes with is built once per step (:class:`StepAttentionMeta`),
+so a layer launches a fixed number of calls whatever the step holds: one per decode group, one
+for every first chunk of a prompt together, one for every training sample together, and one per
+chunk behind a cached prefix; nothing reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deltaserve.model.attention import causal_attention
+from deltaserve.model.attention import PaddedSegments, segments_attention
 from deltaserve.model.config import ModelConfig
 
 
@@ -40,9 +45,12 @@ class KVCache:
 
 @dataclass(frozen=True)
 class PrefillChunk:
+    """A chunk behind ``prefix_len`` cached tokens (a chunked prompt's continuation)."""
+
     rows: slice  # rows of the step
     prefix_len: int  # tokens already in the cache before this chunk
     context_blocks: torch.Tensor  # cache blocks holding positions [0, prefix_len + chunk)
+    mask: torch.Tensor  # [chunk, prefix_len + chunk]: True where a row may attend
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,9 @@ class StepAttentionMeta:
     num_inference_rows: int
     slot_mapping: torch.Tensor  # [num_inference_rows] cache slot of each inference row
     decodes: tuple[DecodeGroup, ...]
-    prefills: tuple[PrefillChunk, ...]
-    training_lengths: tuple[int, ...]
+    prefills: tuple[PrefillChunk, ...]  # chunks behind a cached prefix
+    first_chunks: PaddedSegments | None  # prompts' first chunks (nothing cached before them)
+    training: PaddedSegments | None  # training samples (rows after the inference rows)
 
 
 class PagedAttention:
@@ -86,22 +95,15 @@ class PagedAttention:
                 attn_mask=g.mask, enable_gqa=q.shape[1] != k.shape[1])
             out[g.rows] = o.squeeze(2).reshape(len(g.rows), -1)
         for chunk in m.prefills:
-            qs = q[chunk.rows]
-            if chunk.prefix_len == 0:
-                out[chunk.rows] = causal_attention(qs, k[chunk.rows], v[chunk.rows])
-                continue
-            n, total = qs.shape[0], chunk.prefix_len + qs.shape[0]
+            n, total = chunk.mask.shape
             keys, vals = self.cache.gather(layer, chunk.context_blocks)
-            keys, vals = keys[:total], vals[:total]
-            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
             o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                vals.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                q[chunk.rows].transpose(0, 1).unsqueeze(0),
+                keys[:total].transpose(0, 1).unsqueeze(0),
+                vals[:total].transpose(0, 1).unsqueeze(0), attn_mask=chunk.mask,
                 enable_gqa=q.shape[1] != k.shape[1])
             out[chunk.rows] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
-        start = n_inf
-        for length in m.training_lengths:
-            rows = slice(start, start + length)
-            out[rows] = causal_attention(q[rows], k[rows], v[rows])
-            start += length
+        for segments in (m.first_chunks, m.training):
+            if segments is not None:
+                out.index_copy_(0, segments.rows, segments_attention(q, k, v, segments))
         return out

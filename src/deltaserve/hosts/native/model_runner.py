@@ -26,7 +26,7 @@ from deltaserve.hosts.native.cuda_graphs import DecodeGraphs
 from deltaserve.hosts.native.request import Request
 from deltaserve.hosts.native.sampler import Sampler
 from deltaserve.hosts.native.scheduler import ScheduledBatch
-from deltaserve.model.attention import attention_kernels
+from deltaserve.model.attention import PaddedSegments, attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel, MlpHook
 from deltaserve.model.lora import AdapterWeights, LoRAGroup, training_group
 from deltaserve.train.capture import StepAborted
@@ -142,14 +142,17 @@ class ModelRunner:
     def _context(self, flat: _FlatBatch, n_inf: int, training: TrainingStep | None,
                  adapter: AdapterWeights | None) -> ForwardContext:
         dev = self.device
+        first = [rows for rows, prefix, _ in flat.prefills if prefix == 0]
         meta = StepAttentionMeta(
             num_inference_rows=n_inf,
             slot_mapping=torch.tensor(flat.slots, dtype=torch.long, device=dev),
             decodes=_decode_groups(flat.decodes, self.blocks.block_size, dev),
-            prefills=tuple(PrefillChunk(rows, prefix, torch.tensor(ctx, dtype=torch.long,
-                                                                   device=dev))
-                           for rows, prefix, ctx in flat.prefills),
-            training_lengths=training.rows.lengths if training is not None else ())
+            prefills=tuple(_continuation(rows, prefix, ctx, dev)
+                           for rows, prefix, ctx in flat.prefills if prefix),
+            first_chunks=PaddedSegments([r.stop - r.start for r in first], dev,
+                                        [r.start for r in first]) if first else None,
+            training=PaddedSegments(training.rows.lengths, dev, _starts(
+                n_inf, training.rows.lengths)) if training is not None else None)
         groups = [LoRAGroup(self.adapter(name), _rows(r, dev))
                   for name, r in flat.by_adapter.items()]
         mlp_hook: MlpHook | None = None
@@ -178,20 +181,23 @@ class ModelRunner:
                 raise StepAborted(layer)
             training.capture(layer, h[n_inf:])
 
+        # every index the step reads is on the device before its first kernel: nothing in the
+        # step copies to the device or reads back until the sampler's tokens
         input_ids = torch.tensor(flat.ids, dtype=torch.long, device=self.device)
+        sample_rows = torch.tensor(flat.sample_rows, dtype=torch.long, device=self.device)
         try:
             with torch.no_grad():
                 h = self.model.forward(input_ids, ctx, hook)
-                sampled = self._sample(h, flat)
+                sampled = self._sample(h, sample_rows, flat.sample_reqs)
         except StepAborted as e:
             return StepResult({}, True, e.layers_run)
         return StepResult(sampled, False, self.model.num_layers)
 
-    def _sample(self, h: torch.Tensor, flat: _FlatBatch) -> dict[str, int]:
-        if not flat.sample_rows:
+    def _sample(self, h: torch.Tensor, rows: torch.Tensor, reqs: list[Request]
+                ) -> dict[str, int]:
+        if not reqs:
             return {}
-        logits = self.model.logits(h[torch.tensor(flat.sample_rows, device=self.device)])
-        reqs = flat.sample_reqs
+        logits = self.model.logits(h.index_select(0, rows))
         tokens = self.sampler.sample(logits, [r.request_id for r in reqs],
                                      [r.params for r in reqs])
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
@@ -246,6 +252,25 @@ def _decode_groups(decodes: list[tuple[int, int, list[int]]], block_size: int,
                                   mask[:, None, None, :].to(device)))
         i = j
     return tuple(groups)
+
+
+def _continuation(rows: slice, prefix: int, blocks: list[int], device: torch.device
+                  ) -> PrefillChunk:
+    """A chunk of ``rows`` behind ``prefix`` cached tokens: it sees the prefix and, causally,
+    itself."""
+    n = rows.stop - rows.start
+    mask = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
+    return PrefillChunk(rows, prefix, torch.tensor(blocks, dtype=torch.long, device=device),
+                        mask.to(device))
+
+
+def _starts(first_row: int, lengths: tuple[int, ...]) -> list[int]:
+    """The first row of each of ``lengths``' sequences, laid end to end from ``first_row``."""
+    out, row = [], first_row
+    for n in lengths:
+        out.append(row)
+        row += n
+    return out
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:

@@ -56,7 +56,7 @@ def _chunk_loss(model: LlamaModel, adapter: AdapterWeights, job: EvalJob, chunk:
     lengths = [len(x) for x in ids]
     tokens = torch.tensor([t for x in ids for t in x], dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
-    ctx = ForwardContext(positions, CausalSegments(lengths),
+    ctx = ForwardContext(positions, CausalSegments(lengths, device),
                          (LoRAGroup(adapter, slice(None)),))
     targets = _targets([job.labels[i] for i in chunk]).to(device)
     counted = (targets != IGNORE_INDEX).nonzero().squeeze(1)

@@ -30,8 +30,15 @@ def run_until(co, model, steps, timeout_s=120):
     assert co.trainer.optimizer_steps >= steps
 
 
-def layers_done(events):
+def units_done(events):
+    """Every unit's report: decoder layers, the last layer's recompute and its head chunks."""
     return [e for e in events if isinstance(e, LayerDone)]
+
+
+def layers_done(events):
+    """The decoder layers' reports (the last layer's recompute and head chunks, reported as
+    units of their own, left out)."""
+    return [e for e in events if isinstance(e, LayerDone) and e.layer >= 0]
 
 
 def log_steps(root):
@@ -118,7 +125,7 @@ def test_grant_pauses_backward_within_one_layer(tmp_path):
         fx.capture_all(co, model)  # the pool runs dry: the captured samples become a job
         assert proc.busy
         time.sleep(1.5)
-        assert layers_done(proc.poll()) == []  # waited before its first layer
+        assert units_done(proc.poll()) == []  # waited before its first layer
         proc.grant.set()
         seen = []
         while not seen:
@@ -130,7 +137,7 @@ def test_grant_pauses_backward_within_one_layer(tmp_path):
         assert proc.parked.value and proc.busy
         held = len(seen) + len(layers_done(proc.poll(timeout_s=0.2)))
         time.sleep(1.0)  # parked: nothing runs while inference holds the grant
-        assert layers_done(proc.poll()) == [] and held < model.num_layers
+        assert units_done(proc.poll()) == [] and held < model.num_layers
         proc.grant.set()
         events = proc.wait(60)
         assert held + len(layers_done(events)) == model.num_layers
@@ -154,7 +161,7 @@ def test_a_yield_starts_only_the_layers_that_end_by_its_deadline(tmp_path):
         fx.capture_all(co, model)
         assert proc.busy
         time.sleep(1.0)
-        assert layers_done(proc.poll()) == [] and proc.parked.value  # no layer would fit
+        assert units_done(proc.poll()) == [] and proc.parked.value  # no layer would fit
         proc.grant.set(until_s=time.monotonic() + 600)  # a yield every layer fits in
         deadline = time.monotonic() + 60
         seen: list = []
@@ -178,7 +185,7 @@ def test_killed_backward_loses_no_sample(base_path):
         co.poll()  # the pool is empty: the captured samples are flushed into a job
         assert proc.busy
         time.sleep(1.0)  # the process has taken the job and sits paused on the grant
-        assert proc.parked.value == 1 and layers_done(proc.poll()) == []
+        assert proc.parked.value == 1 and units_done(proc.poll()) == []
         lost_pid = proc.process.pid
         os.kill(lost_pid, signal.SIGKILL)
         proc.process.join(5)

@@ -13,6 +13,7 @@ from deltaserve.core.shape import StepShape
 from deltaserve.model import AdapterWeights, CausalSegments, ForwardContext, LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
 from deltaserve.model.lora import DropoutSegment, LoRAGroup
+from deltaserve.train.backward import recompute
 from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.backward.recompute import layerwise_backward, shifted_targets
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
@@ -190,3 +191,33 @@ def test_layerwise_backward_on_cuda_matches_cpu(model):
     grad = got.gather_grad_().cpu()
     assert stats.loss == pytest.approx(want_stats.loss, rel=1e-4)
     torch.testing.assert_close(grad, want.flat.grad, rtol=1e-3, atol=1e-5)
+
+
+def test_the_last_layer_comes_in_units_a_yield_can_hold(model, monkeypatch):
+    """The last layer's recompute, the head over each chunk of loss positions, then every
+    layer's backward, each announced before it starts and reported when it ends; chunked, the
+    loss and the gradients are the whole head's (to fp32 rounding)."""
+    monkeypatch.setattr(recompute, "HEAD_CHUNK_TOKENS", 8)
+    samples = make_samples(4, seed=3)
+    ad = adapter_for(model, 0.0)
+    total = sum(js.length for _, js in samples)
+    buf = ActivationBuffer(BufferConfig(total), model.config, torch.float32)
+    forward_training_rows(model, capturing_step(samples, 0.0, buf), ad)
+    want_loss, want_grad = full_backward(model, ad, samples)
+    waits, ends = [], []
+    trainable = ad.clone(requires_grad=True)
+
+    def wait(unit):
+        waits.append(unit)
+        return 0.5  # seconds "waited": the stats add them up
+
+    stats = layerwise_backward(model, trainable, buf, [js for _, js in samples], 0.0,
+                               wait_grant=wait, on_layer=ends.append)
+    chunks = -(-stats.num_loss_tokens // 8)
+    assert chunks >= 3
+    layers = model.num_layers
+    want = [recompute.LAST_FORWARD, *[recompute.HEAD] * chunks, *reversed(range(layers))]
+    assert waits == want and ends == want
+    assert stats.paused_s == 0.5 * len(want)
+    assert stats.loss == pytest.approx(want_loss, rel=1e-6)
+    torch.testing.assert_close(trainable.gather_grad_(), want_grad, rtol=1e-5, atol=1e-7)

@@ -1,6 +1,6 @@
 """The backward process's worker, in this process: it times every layer before its first job,
 leaving the adapter and its optimizer state as they were, and a grant lent until a deadline
-admits a layer only by that time."""
+admits a layer only by that time, telling the host meanwhile what the layer would cost."""
 
 import threading
 import time
@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from deltaserve.model import AdapterWeights, LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
+from deltaserve.train.backward import recompute
 from deltaserve.train.backward.grant import Grant
 from deltaserve.train.backward.worker import SharedState, WorkerSpec, _Worker
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
@@ -41,7 +42,8 @@ def test_every_layer_is_timed_before_the_first_job_and_nothing_else_changes(base
     published = w.shared.adapter_flat.clone()
     w.time_layers(32)
     layers = w.model.num_layers
-    assert sorted(w.layer_rate_s) == [(False, i) for i in range(layers)]
+    units = (recompute.LAST_FORWARD, recompute.HEAD, *range(layers))
+    assert sorted(w.layer_rate_s) == [(False, u) for u in units]
     assert all(rate > 0 for rate in w.layer_rate_s.values())
     assert torch.equal(w.trainable.flat.detach(), flat) and w.trainable.flat.grad is None
     assert torch.equal(w.shared.optimizer.exp_avg, state)
@@ -58,6 +60,9 @@ def test_a_layer_that_would_end_past_the_grants_deadline_waits_for_the_next_gran
     w.grant.set(until_s=time.monotonic() + 1000 * layer_s)
     assert w.wait_grant(last) == 0.0  # it ends well before the deadline
     w.grant.set(until_s=time.monotonic() + layer_s / 2)  # it would end after the deadline
+    seen: list[float] = []  # what the host reads while the worker waits
+    threading.Timer(0.1, lambda: seen.append(w.grant.waiting_s)).start()
     threading.Timer(0.2, w.grant.set).start()  # the next grant has no deadline
     assert w.wait_grant(last) >= 0.2
     assert w.parked.value == 0  # computing again
+    assert seen == [layer_s] and w.grant.waiting_s == 0.0

@@ -29,6 +29,7 @@ from deltaserve.train.config import BackwardConfig, GrantPolicy
 # Until the first layer is timed: a conservative guess at the backward's time per layer.
 _INITIAL_LAYER_S = 0.05
 _LAYER_EMA = 0.3  # weight of the newest layer time in the running estimate
+_LEND_POLL_S = 0.002  # how often a yield checks whether the backward still has work that fits
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,19 @@ class BackwardDriver:
         assert config.grant_policy is not GrantPolicy.AUTO and config.threads is not None
         self.config = config
         self.process = BackwardProcess(spec, shared)
-        self.layer_s = _INITIAL_LAYER_S
+        self._layer_ema_s = _INITIAL_LAYER_S
         self._job: BackwardJob | EvalJob | None = None
         self.process.wait_ready()
 
     @property
     def busy(self) -> bool:
         return self.process.busy
+
+    @property
+    def layer_s(self) -> float:
+        """The backward's grain: its recent time per unit of work, or more while it waits to
+        start a longer unit (a yield the unit cannot end in gives it nothing to do)."""
+        return max(self._layer_ema_s, self.process.grant.waiting_s)
 
     @property
     def exclusive(self) -> bool:
@@ -102,10 +109,18 @@ class BackwardDriver:
         self.process.grant.set()
 
     def lend(self, seconds: float, wake: threading.Event) -> float:
-        """Let the backward run for ``seconds`` or until ``wake``; the time given."""
+        """Let the backward run for ``seconds``, until ``wake``, or until it waits for a unit
+        that would not end by then (the rest of the yield would give it nothing to do, and
+        the host takes it back); the time given."""
         t0 = time.monotonic()
-        self.process.grant.set(until_s=t0 + seconds)  # no layer that would run past the yield
-        wake.wait(seconds)
+        until_s = t0 + seconds
+        grant = self.process.grant
+        grant.set(until_s=until_s)  # no unit that would run past the yield
+        while not wake.wait(min(_LEND_POLL_S, max(0.0, until_s - time.monotonic()))):
+            now = time.monotonic()
+            if now >= until_s or (self.process.parked.value and grant.waiting_s > 0
+                                  and now + grant.waiting_s > until_s):
+                break
         return time.monotonic() - t0
 
     # ---- jobs -------------------------------------------------------------------------------
@@ -126,7 +141,7 @@ class BackwardDriver:
         out: list[BackwardOutcome] = []
         for ev in events:
             if isinstance(ev, LayerDone):
-                self.layer_s += _LAYER_EMA * (ev.compute_s - self.layer_s)
+                self._layer_ema_s += _LAYER_EMA * (ev.compute_s - self._layer_ema_s)
             elif isinstance(ev, BackwardDone | EvalDone):
                 out.append(ev)
             elif isinstance(ev, BackwardFailed):

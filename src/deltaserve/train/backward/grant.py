@@ -25,7 +25,19 @@ class Grant:
     def __init__(self, ctx: BaseContext, poll_s: float = 2e-4):
         self._flag = ctx.Value("b", 1, lock=False)  # set: the backward may compute
         self._until_s = ctx.Value("d", math.inf, lock=False)  # ... layers that end by then
+        # seconds of the unit the backward waits to start (0: it waits for none)
+        self._waiting_s = ctx.Value("d", 0.0, lock=False)
         self.poll_s = poll_s
+
+    @property
+    def waiting_s(self) -> float:
+        """What the unit the backward waits to start would cost (0 while it waits for none):
+        a yield shorter than that gives it nothing to do."""
+        return float(self._waiting_s.value)
+
+    @waiting_s.setter
+    def waiting_s(self, seconds: float) -> None:
+        self._waiting_s.value = seconds
 
     def set(self, until_s: float = math.inf) -> None:
         """Let the backward compute; with ``until_s`` (``time.monotonic()``), only layers that

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,18 @@ from deltaserve.model.lora import AdapterWeights, DropoutSegment, LoRAGroup
 from deltaserve.train.backward.messages import JobSample
 from deltaserve.train.buffer import ActivationBuffer
 
-# Called before recomputing each layer; blocks while inference holds the grant and returns the
-# seconds it waited.
+# Called before each unit of work (a decoder layer's index, or one of the units below); blocks
+# while inference holds the grant and returns the seconds it waited.
 GrantWait = Callable[[int], float]
+# The work of the last decoder layer, in units a yield can hold: its recompute, then the final
+# norm, LM head and loss over each chunk of loss positions (forward and back), then its backward
+# under its own index. (-1 is the optimizer step.) Whole, on this 2-core CPU with SmolLM2's
+# 49,152-token vocabulary, the head and loss ran 200-350 ms, longer than every yield vLLM could
+# lend under continuous load (57-137 ms), and the backward never started it: no training at all
+# (results/2026-12-06-vllm-burst-light-r3-tail).
+LAST_FORWARD = -3
+HEAD = -2
+HEAD_CHUNK_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,7 @@ def _batch(model: LlamaModel, adapter: AdapterWeights, buffer: ActivationBuffer,
         def mlp_saved(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             return (gate_store[layer].index_select(0, rows).to(device),
                     up_store[layer].index_select(0, rows).to(device))
-    ctx = ForwardContext(positions, CausalSegments(lengths), (group,), mlp_saved=mlp_saved)
+    ctx = ForwardContext(positions, CausalSegments(lengths, device), (group,), mlp_saved=mlp_saved)
     return _Batch(rows, targets.to(device), counted.to(device), int(counted.numel()), ctx)
 
 
@@ -97,32 +107,67 @@ def layerwise_backward(model: LlamaModel, adapter: AdapterWeights, buffer: Activ
                        wait_grant: GrantWait | None = None,
                        on_layer: Callable[[int], None] | None = None) -> BackwardStats:
     """Accumulate into the adapter's matrices (trainable: see ``make_trainable_``) the gradient
-    of the mean response-token loss; ``gather_grad_`` collects it into ``flat.grad``."""
+    of the mean response-token loss; ``gather_grad_`` collects it into ``flat.grad``.
+
+    The work comes in units, each announced to ``wait_grant`` before it starts and to
+    ``on_layer`` when it ends: the last decoder layer's recompute (:data:`LAST_FORWARD`), the
+    head over each chunk of loss positions (:data:`HEAD`), then each decoder layer's backward
+    (the last one's) or recompute and backward (every earlier one's), by its index."""
     device = model.weights.device
     b = _batch(model, adapter, buffer, samples, dropout)
-    counted, targets = b.counted, b.targets
-    paused = 0.0
+    last = model.num_layers - 1
+
+    def wait(unit: int) -> float:
+        return wait_grant(unit) if wait_grant is not None else 0.0
+
+    def done(unit: int) -> None:
+        if on_layer is not None:
+            on_layer(unit)
+
+    paused, loss, num_correct = 0.0, 0.0, 0
     grad_out: torch.Tensor | None = None
-    loss_value, num_correct = 0.0, 0
     with attention_kernels(device):
         for layer in reversed(range(model.num_layers)):
-            if wait_grant is not None:
-                paused += wait_grant(layer)
+            paused += wait(LAST_FORWARD if layer == last else layer)
             h = buffer.residual[layer].index_select(0, b.rows).to(device)
             h.requires_grad_(layer > 0)
             out = model.layer(layer, h, b.ctx)
-            if grad_out is None:  # the last layer: through the head to the loss
-                # Only positions with a target reach the LM head: masked prompt positions add
-                # nothing to the loss, and the head is a fifth of a small model's FLOPs.
-                logits = model.logits(out[counted])
-                loss = F.cross_entropy(logits, targets[counted],
-                                       reduction="sum") / b.num_loss_tokens
-                loss.backward()
-                loss_value = float(loss.detach())
-                num_correct = int((logits.detach().argmax(-1) == targets[counted]).sum())
-            else:
-                out.backward(grad_out)
+            if layer == last:  # through the head to the loss, then back into the layer
+                done(LAST_FORWARD)
+                head = _head(model, out, b, wait, done)
+                grad_out, loss, num_correct = head.grad, head.loss, head.num_correct
+                paused += head.paused_s + wait(layer)
+            out.backward(grad_out)
             grad_out = h.grad if layer > 0 else None
-            if on_layer is not None:
-                on_layer(layer)
-    return BackwardStats(loss_value, b.num_loss_tokens, paused, num_correct)
+            done(layer)
+    return BackwardStats(loss, b.num_loss_tokens, paused, num_correct)
+
+
+class _HeadResult(NamedTuple):
+    grad: torch.Tensor  # of the loss with respect to the last layer's output
+    loss: float
+    num_correct: int
+    paused_s: float
+
+
+def _head(model: LlamaModel, out: torch.Tensor, b: _Batch, wait: Callable[[int], float],
+          done: Callable[[int], None]) -> _HeadResult:
+    """The final norm, LM head and loss over the loss positions, :data:`HEAD_CHUNK_TOKENS` at a
+    time (each chunk a :data:`HEAD` unit), forward and back to the last layer's output. Only
+    positions with a target reach the head: masked prompt positions add nothing to the loss.
+    The loss and the correct count stay on the device until the last chunk."""
+    x = out.detach().requires_grad_(True)
+    loss_sum = torch.zeros((), device=x.device)
+    correct = torch.zeros((), dtype=torch.long, device=x.device)
+    paused = 0.0
+    for idx in b.counted.split(HEAD_CHUNK_TOKENS):
+        paused += wait(HEAD)
+        logits = model.logits(x[idx])
+        targets = b.targets[idx]
+        loss = F.cross_entropy(logits, targets, reduction="sum") / b.num_loss_tokens
+        loss.backward()
+        loss_sum += loss.detach()
+        correct += (logits.detach().argmax(-1) == targets).sum()
+        done(HEAD)
+    assert x.grad is not None
+    return _HeadResult(x.grad, float(loss_sum), int(correct), paused)

@@ -44,7 +44,12 @@ from deltaserve.train.backward.messages import (
     Stop,
     WorkerReady,
 )
-from deltaserve.train.backward.recompute import BackwardStats, GrantWait, layerwise_backward
+from deltaserve.train.backward.recompute import (
+    HEAD,
+    BackwardStats,
+    GrantWait,
+    layerwise_backward,
+)
 from deltaserve.train.buffer import ActivationBuffer, BufferConfig
 from deltaserve.train.config import DataParallelConfig
 from deltaserve.train.optim import OptimizerConfig, OptimizerState, build_adamw
@@ -154,10 +159,11 @@ class _Worker:
         self.parent = mp.parent_process()
         self.step = -1
         self.layer_t0 = time.perf_counter()
-        # each layer's compute seconds per unit of work the last time it ran, by (validation
-        # job, layer index); a unit is a token of a backward job (a layer's cost grows with the
-        # job's tokens; the last decoder layer's includes the LM head and the loss), and a whole
-        # validation job (the same held-out samples every time)
+        # each unit's compute seconds per unit of work the last time it ran, by (validation
+        # job, unit: a layer's index or recompute.LAST_FORWARD/HEAD); the work is a token of a
+        # backward job (a layer's cost grows with the job's tokens), one chunk of loss positions
+        # for the head (priced as a full chunk), and a whole validation job (the same held-out
+        # samples every time)
         self.layer_rate_s: dict[tuple[bool, int], float] = {}
         self.evaluating, self.job_units = False, 1
 
@@ -180,30 +186,37 @@ class _Worker:
         self.trainable.gather_grad_()
         self.trainable.flat.grad = None
 
-    def _timed(self, layer: int) -> float:
-        """Keep ``layer``'s rate from its compute seconds since ``layer_t0``; those seconds."""
+    def _units(self, unit: int) -> int:
+        return 1 if unit == HEAD else self.job_units
+
+    def _timed(self, unit: int) -> float:
+        """Keep ``unit``'s rate from its compute seconds since ``layer_t0``; those seconds."""
         now = time.perf_counter()
         seconds, self.layer_t0 = now - self.layer_t0, now
-        self.layer_rate_s[(self.evaluating, layer)] = seconds / self.job_units
+        self.layer_rate_s[(self.evaluating, unit)] = seconds / self._units(unit)
         return seconds
 
     def orphaned(self) -> bool:
         return self.parent is not None and not self.parent.is_alive()
 
-    def wait_grant(self, layer: int) -> float:
-        """Wait until the grant admits ``layer`` (its cost: the last run's rate times this job's
-        units; every backward layer is timed before the first job, a validation job's layers on
-        its first run; the optimizer step, ``layer`` -1, counts as free); the seconds waited."""
-        rate_s = self.layer_rate_s.get((self.evaluating, layer), 0.0)
-        layer_s = rate_s * self.job_units
+    def wait_grant(self, unit: int) -> float:
+        """Wait until the grant admits ``unit`` (its cost: the last run's rate times this job's
+        work; every backward unit is timed before the first job, a validation job's layers on
+        its first run; the optimizer step, ``unit`` -1, counts as free); the seconds waited.
+        While it waits, the grant tells the host what the unit would cost, so the host lends
+        no yield too short for it."""
+        rate_s = self.layer_rate_s.get((self.evaluating, unit), 0.0)
+        layer_s = rate_s * self._units(unit)
         if self.grant.admits(layer_s):
             return 0.0
         t = time.perf_counter()
+        self.grant.waiting_s = layer_s
         self.parked.value = 1
         while not self.grant.wait(timeout_s=1.0, layer_s=layer_s):
             if self.orphaned():
                 raise SystemExit(0)  # orphaned while paused: nobody will set the grant
         self.parked.value = 0
+        self.grant.waiting_s = 0.0
         waited = time.perf_counter() - t
         self.layer_t0 += waited  # a layer's compute time leaves the wait out
         return waited

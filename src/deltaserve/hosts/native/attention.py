@@ -5,10 +5,12 @@ write their K/V into the cache; decodes attend over their cached context (gather
 table, padded to the longest); a prefill chunk attends causally over its cached prefix and
 itself; training rows attend only among themselves (they never touch the cache).
 
-Everything a layer's attention indexes with is built once per step (:class:`StepAttentionMeta`),
-so a layer launches a fixed number of calls whatever the step holds: one per decode group, one
-for every first chunk of a prompt together, one for every training sample together, and one per
-chunk behind a cached prefix; nothing reads a device value back to the host.
+Everything a layer's attention indexes with is built once per step (:class:`StepAttentionMeta`):
+nothing reads a device value back to the host or copies one in. A layer makes one attention
+call per decode group, one per prefill chunk, and one for all the training samples together.
+Prefill chunks stay one call each: prompts' lengths differ widely, and padding them to the
+longest would cost S·L² where the latency model prices Σn²; a step's samples, admitted shortest
+first, are close in length.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deltaserve.model.attention import PaddedSegments, segments_attention
+from deltaserve.model.attention import PaddedSegments, causal_attention, segments_attention
 from deltaserve.model.config import ModelConfig
 
 
@@ -45,12 +47,13 @@ class KVCache:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """A chunk behind ``prefix_len`` cached tokens (a chunked prompt's continuation)."""
+    """A prompt's chunk; behind ``prefix_len`` cached tokens, it reads them through
+    ``context_blocks`` under ``mask`` (a first chunk, ``prefix_len`` 0, needs neither)."""
 
     rows: slice  # rows of the step
     prefix_len: int  # tokens already in the cache before this chunk
-    context_blocks: torch.Tensor  # cache blocks holding positions [0, prefix_len + chunk)
-    mask: torch.Tensor  # [chunk, prefix_len + chunk]: True where a row may attend
+    context_blocks: torch.Tensor | None  # cache blocks holding positions [0, prefix_len + chunk)
+    mask: torch.Tensor | None  # [chunk, prefix_len + chunk]: True where a row may attend
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,7 @@ class StepAttentionMeta:
     num_inference_rows: int
     slot_mapping: torch.Tensor  # [num_inference_rows] cache slot of each inference row
     decodes: tuple[DecodeGroup, ...]
-    prefills: tuple[PrefillChunk, ...]  # chunks behind a cached prefix
-    first_chunks: PaddedSegments | None  # prompts' first chunks (nothing cached before them)
+    prefills: tuple[PrefillChunk, ...]
     training: PaddedSegments | None  # training samples (rows after the inference rows)
 
 
@@ -95,6 +97,9 @@ class PagedAttention:
                 attn_mask=g.mask, enable_gqa=q.shape[1] != k.shape[1])
             out[g.rows] = o.squeeze(2).reshape(len(g.rows), -1)
         for chunk in m.prefills:
+            if chunk.mask is None or chunk.context_blocks is None:
+                out[chunk.rows] = causal_attention(q[chunk.rows], k[chunk.rows], v[chunk.rows])
+                continue
             n, total = chunk.mask.shape
             keys, vals = self.cache.gather(layer, chunk.context_blocks)
             o = F.scaled_dot_product_attention(
@@ -103,7 +108,6 @@ class PagedAttention:
                 vals[:total].transpose(0, 1).unsqueeze(0), attn_mask=chunk.mask,
                 enable_gqa=q.shape[1] != k.shape[1])
             out[chunk.rows] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
-        for segments in (m.first_chunks, m.training):
-            if segments is not None:
-                out.index_copy_(0, segments.rows, segments_attention(q, k, v, segments))
+        if m.training is not None:
+            out.index_copy_(0, m.training.rows, segments_attention(q, k, v, m.training))
         return out

@@ -142,15 +142,11 @@ class ModelRunner:
     def _context(self, flat: _FlatBatch, n_inf: int, training: TrainingStep | None,
                  adapter: AdapterWeights | None) -> ForwardContext:
         dev = self.device
-        first = [rows for rows, prefix, _ in flat.prefills if prefix == 0]
         meta = StepAttentionMeta(
             num_inference_rows=n_inf,
             slot_mapping=torch.tensor(flat.slots, dtype=torch.long, device=dev),
             decodes=_decode_groups(flat.decodes, self.blocks.block_size, dev),
-            prefills=tuple(_continuation(rows, prefix, ctx, dev)
-                           for rows, prefix, ctx in flat.prefills if prefix),
-            first_chunks=PaddedSegments([r.stop - r.start for r in first], dev,
-                                        [r.start for r in first]) if first else None,
+            prefills=tuple(_chunk(rows, prefix, ctx, dev) for rows, prefix, ctx in flat.prefills),
             training=PaddedSegments(training.rows.lengths, dev, _starts(
                 n_inf, training.rows.lengths)) if training is not None else None)
         groups = [LoRAGroup(self.adapter(name), _rows(r, dev))
@@ -254,10 +250,11 @@ def _decode_groups(decodes: list[tuple[int, int, list[int]]], block_size: int,
     return tuple(groups)
 
 
-def _continuation(rows: slice, prefix: int, blocks: list[int], device: torch.device
-                  ) -> PrefillChunk:
-    """A chunk of ``rows`` behind ``prefix`` cached tokens: it sees the prefix and, causally,
-    itself."""
+def _chunk(rows: slice, prefix: int, blocks: list[int], device: torch.device) -> PrefillChunk:
+    """A prompt's chunk of ``rows``; behind ``prefix`` cached tokens, it sees the prefix and,
+    causally, itself."""
+    if not prefix:
+        return PrefillChunk(rows, 0, None, None)
     n = rows.stop - rows.start
     mask = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
     return PrefillChunk(rows, prefix, torch.tensor(blocks, dtype=torch.long, device=device),

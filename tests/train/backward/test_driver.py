@@ -71,6 +71,11 @@ def test_a_yield_ends_once_the_backward_waits_for_a_unit_longer_than_its_rest():
     assert driver.process.grant.admits(0.0)  # the grant stays lent; the host takes it back
 
 
+def test_a_yield_ends_once_the_backward_is_parked_with_no_unit_to_start():
+    """Its job ended (or a data-parallel replica waits for its peers): nothing to lend for."""
+    assert _lending(parked=1, waiting_s=0.0).lend(5.0, threading.Event()) < 2.5
+
+
 def test_a_yield_runs_its_length_while_the_backward_computes_or_its_unit_fits():
     for parked, waiting_s in ((0, 0.0), (1, 0.001)):
         driver = _lending(parked, waiting_s)

@@ -109,17 +109,21 @@ class BackwardDriver:
         self.process.grant.set()
 
     def lend(self, seconds: float, wake: threading.Event) -> float:
-        """Let the backward run for ``seconds``, until ``wake``, or until it waits for a unit
-        that would not end by then (the rest of the yield would give it nothing to do, and
-        the host takes it back); the time given."""
+        """Let the backward run for ``seconds``, until ``wake``, or until it has nothing to do
+        in the rest: parked with no unit to start (its job ended, or a data-parallel replica
+        waits for its peers), or waiting for a unit that would not end by then. The host takes
+        the rest back; the time given."""
         t0 = time.monotonic()
         until_s = t0 + seconds
         grant = self.process.grant
         grant.set(until_s=until_s)  # no unit that would run past the yield
         while not wake.wait(min(_LEND_POLL_S, max(0.0, until_s - time.monotonic()))):
             now = time.monotonic()
-            if now >= until_s or (self.process.parked.value and grant.waiting_s > 0
-                                  and now + grant.waiting_s > until_s):
+            # the worker sets waiting_s before it parks and clears it after it resumes: parked
+            # with none means it is not waiting to start a unit
+            waiting_s = grant.waiting_s
+            if now >= until_s or (self.process.parked.value
+                                  and (waiting_s == 0 or now + waiting_s > until_s)):
                 break
         return time.monotonic() - t0
 

@@ -28,9 +28,11 @@ from deltaserve.train.buffer import ActivationBuffer
 GrantWait = Callable[[int], float]
 # The work of the last decoder layer, in units a yield can hold: its recompute, then the final
 # norm, LM head and loss over each chunk of loss positions (forward and back), then its backward
-# under its own index. (-1 is the optimizer step.) Whole, on this 2-core CPU with SmolLM2's
-# 49,152-token vocabulary, the head and loss ran 200-350 ms, longer than every yield vLLM could
-# lend under continuous load (57-137 ms), and the backward never started it: no training at all
+# under its own index. (-1 is the optimizer step.) As one unit it was priced at its rate per
+# token times a job's tokens, though the head grows with the loss positions only: on this 2-core
+# CPU its parts, timed apart, took about 0.10 s on 128 positions (SmolLM2, 49,152-token vocab),
+# so a 281-token job's was priced near 0.23 s, longer than every yield vLLM lent under
+# continuous load (0.10-0.14 s): the backward never started it, and trained nothing
 # (results/2026-12-06-vllm-burst-light-r3-tail).
 LAST_FORWARD = -3
 HEAD = -2

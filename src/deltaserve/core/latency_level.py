@@ -13,9 +13,20 @@ steps ran 15 % over the per-kind level's prediction where the same kind without 
 it (``latency_model_by_yield``). The fit learns from the no-yield steps only, so it stays the
 price of the undisturbed machine and the after-yield level is the ratio to it; until a kind has
 been seen after a yield, its no-yield level stands in.
+
+A level is an average; a step that runs late fails every request decoding through it, so the
+mixed steps that carry training rows are also priced with their *tail*
+(:class:`LatenessTail`): the worst lateness over their prediction of the last served ones
+(quantile 1, as the yield reserve). On vLLM they ran 5-19 % over their prediction where Equation
+I's pooled p95 margin, mostly inference-only steps, did not cover them
+(``results/2026-12-06-vllm-burst-light-r3-timed``).
 """
 
 from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
 
 from deltaserve.core.shape import ExecMode, StepKind
 
@@ -43,3 +54,18 @@ class StepLevels:
         clipped = min(max(ratio, _CLIP[0]), _CLIP[1])
         self._level[kind, mode, after_yield] = level + self.rate * (clipped - level)
         return True
+
+
+class LatenessTail:
+    """A quantile of ``actual / predicted - 1`` over the last ``window`` served steps of one
+    kind, clipped to ``[floor, cap]``; ``None`` before the first."""
+
+    def __init__(self, quantile: float, window: int, floor: float, cap: float):
+        self.quantile, self.floor, self.cap = quantile, floor, cap
+        self._late: deque[float] = deque(maxlen=window)
+        self.value: float | None = None
+
+    def learn(self, late: float) -> None:
+        self._late.append(late)
+        q = float(np.quantile(np.fromiter(self._late, float), self.quantile))
+        self.value = min(max(q, self.floor), self.cap)

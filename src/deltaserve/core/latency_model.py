@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy as np
 
 from deltaserve.core.errors import InputError, require, require_choice
 from deltaserve.core.latency_file import FORMAT, FORMAT_V1, LAYOUTS, read_document, upgrade_v1_rows
-from deltaserve.core.latency_level import StepLevels
+from deltaserve.core.latency_level import LatenessTail, StepLevels
 from deltaserve.core.latency_terms import TERMS, Equation, FeatureRing, equation_of, features
 from deltaserve.core.nnls import nnls
 from deltaserve.core.shape import ExecMode, StepKind, StepShape, kind_of
@@ -60,13 +59,8 @@ class LatencyModelConfig:
     of similar online steps cannot make the fit forget shapes it has not seen lately.
     ``level_rate``: the weight of each served step in its kind's level (an exponential moving
     average of actual ÷ fitted; 0: no level, predictions are the fit alone).
-    ``tail_quantile`` / ``tail_window``: a step carrying inference rows beside fine-tuning rows is
-    priced with at least this quantile of ``actual/predicted - 1`` over the last ``tail_window``
-    such steps as served (predicted online, before each was learnt), clipped like the margin.
-    Quantile 1, as the yield reserve: one late mixed step fails every request decoding through
-    it, and such steps ran 5-19 % over their prediction (vLLM, ``2026-12-06-vllm-burst-light-r3-
-    timed``) where the pooled p95 margin of Equation I, dominated by inference-only steps, did not
-    cover them.
+    ``tail_quantile`` / ``tail_window``: a mixed+ft step is priced with at least this quantile
+    of the lateness of the last ``tail_window`` served ones (:class:`LatenessTail`).
     """
 
     window: int = 512
@@ -154,9 +148,9 @@ class LatencyModel:
         self._margin = dict.fromkeys(_KEYS, self.config.margin_floor)
         self._errors = {m: FeatureRing(self.config.error_window, 1) for m in ExecMode}
         self._levels = StepLevels(self.config.level_rate)
-        # actual/predicted - 1 of the last tail_window mixed+ft steps, and its tail quantile
-        self._mixed_ft_late: deque[float] = deque(maxlen=self.config.tail_window)
-        self._mixed_ft_tail: float | None = None
+        c = self.config
+        self._mixed_ft_tail = LatenessTail(c.tail_quantile, c.tail_window, c.margin_floor,
+                                           c.margin_cap)
         self.version = 0  # bumps on every refit or level change: callers cache derived numbers
 
     # ---- data -------------------------------------------------------------------------------
@@ -182,7 +176,8 @@ class LatencyModel:
         if predicted is not None and math.isfinite(predicted):
             self._errors[shape.mode].push((predicted,), seconds)
             if kind_of(shape) is StepKind.MIXED_FT and predicted > 0:
-                self._learn_tail(seconds / predicted - 1.0)
+                self._mixed_ft_tail.learn(seconds / predicted - 1.0)
+                self.version += 1
         self._learn_level(shape, seconds, fitted)
         if shape.after_yield:
             # the fit is the machine with no yield before its steps: an after-yield step moves
@@ -200,19 +195,10 @@ class LatencyModel:
                 kind_of(shape), shape.mode, shape.after_yield, seconds / fitted):
             self.version += 1
 
-    def _learn_tail(self, late: float) -> None:
-        self._mixed_ft_late.append(late)
-        q = float(np.quantile(np.fromiter(self._mixed_ft_late, float), self.config.tail_quantile))
-        self._mixed_ft_tail = min(max(q, self.config.margin_floor), self.config.margin_cap)
-        self.version += 1
-
     def _margin_of(self, key: tuple[Equation, ExecMode], kind: StepKind) -> float:
-        """The margin a step of ``kind`` priced by ``key``'s fit is inflated by: the fit's,
-        and for a mixed+ft step at least the tail of the served ones (none seen: the fit's)."""
-        margin = self._margin[key]
-        if kind is StepKind.MIXED_FT and self._mixed_ft_tail is not None:
-            return max(margin, self._mixed_ft_tail)
-        return margin
+        """``key``'s fit margin; for a mixed+ft step, at least the served ones' tail."""
+        tail = self._mixed_ft_tail.value if kind is StepKind.MIXED_FT else None
+        return self._margin[key] if tail is None else max(self._margin[key], tail)
 
     def level(self, kind: StepKind, mode: ExecMode, after_yield: bool = False) -> float:
         """Actual ÷ fitted of recent served steps of ``kind`` (see :class:`StepLevels`)."""
@@ -349,22 +335,12 @@ class LatencyModel:
     # ---- persistence ------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write coefficients, margins and observations to JSON (atomically)."""
-        doc = {
-            "format": FORMAT,
-            "config": asdict(self.config),
-            "keys": [
-                {
-                    "equation": eq.value,
-                    "mode": mode.value,
-                    "coefficients": None if self._coef[(eq, mode)] is None
-                    else self._coef[(eq, mode)].tolist(),
-                    "margin": self._margin[(eq, mode)],
-                    "anchors": [[*x, y] for x, y in self._anchors[(eq, mode)]],
-                    "online": self._online[(eq, mode)].data().tolist(),
-                }
-                for eq, mode in _KEYS
-            ],
-        }
+        keys = [{"equation": eq.value, "mode": mode.value,
+                 "coefficients": None if (c := self._coef[(eq, mode)]) is None else c.tolist(),
+                 "margin": self._margin[(eq, mode)],
+                 "anchors": [[*x, y] for x, y in self._anchors[(eq, mode)]],
+                 "online": self._online[(eq, mode)].data().tolist()} for eq, mode in _KEYS]
+        doc = {"format": FORMAT, "config": asdict(self.config), "keys": keys}
         path = Path(path)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1))

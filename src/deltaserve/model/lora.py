@@ -194,7 +194,7 @@ def _hash32(x: torch.Tensor | int) -> torch.Tensor | int:
 
 
 def _fold32(value: int) -> int:
-    """Any int (a seed) → [0, 2³²), every bit of it mixed in."""
+    """An int of any size (a seed) → [0, 2³²), every bit of it mixed in."""
     out, value = 0, value % (1 << 64)
     for shift in (0, 32):
         out = int(_hash32(out ^ ((value >> shift) & _MASK32)))

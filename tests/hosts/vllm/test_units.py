@@ -203,6 +203,8 @@ def test_host_config_adds_only_vllms_knobs_and_derives_the_lora_rank():
         VLLMHostConfig(max_lora_rank=12)
     with pytest.raises(InputError, match="engine"):
         VLLMHostConfig(engine={"scheduler_cls": "x"})
+    with pytest.raises(InputError, match="training_lora"):
+        VLLMHostConfig(training_lora="peft")
 
 
 def test_training_adapter_id_is_one_vllms_api_server_never_issues():

@@ -67,14 +67,16 @@ class StepResult:
 
 class CalibrationRun:
     """One pass of the shared calibration loop over vLLM, advanced by the scheduler step by
-    step. The training adapter (``train_lora``) must be reserved; ``on_done`` is called with the
-    fitted model, which ``model`` then holds."""
+    step. The training adapter must be reserved; ``sample_lora`` is what the probes' training
+    rows name (:attr:`EngineLink.sample_lora`: None where the worker's hooks add the adapter);
+    ``on_done`` is called with the fitted model, which ``model`` then holds."""
 
     def __init__(self, facts: EngineFacts, config: CalibrationConfig | None,
-                 latency: LatencyModelConfig | None, train_lora: LoRARequest, *, seed: int = 0,
+                 latency: LatencyModelConfig | None, sample_lora: LoRARequest | None, *,
+                 seed: int = 0,
                  progress: bool = False,
                  on_done: Callable[[LatencyModel], None] | None = None):
-        self.prober = VLLMProber(facts, train_lora, seed=seed)
+        self.prober = VLLMProber(facts, sample_lora, seed=seed)
         self.config, self.latency, self.progress = config, latency, progress
         self.on_done = on_done
         self.model: LatencyModel | None = None
@@ -119,9 +121,9 @@ class VLLMProber:
     :class:`~deltaserve.core.calibration_loop.SteppedProber` sent each step's
     :class:`StepResult`). ``bind`` gives it the scheduler before the loop opens it."""
 
-    def __init__(self, facts: EngineFacts, train_lora: LoRARequest, *, seed: int = 0):
+    def __init__(self, facts: EngineFacts, sample_lora: LoRARequest | None, *, seed: int = 0):
         self.facts = facts
-        self.train_lora = train_lora
+        self.sample_lora = sample_lora
         self.rng = random.Random(seed)
         self.points = 0
         self.skipped: list[str] = []
@@ -233,7 +235,7 @@ class VLLMProber:
         self._ft = []
         for m in probe.shape.ft_lens:
             ids = tuple(self._tokens(m))
-            req = hidden.add(HiddenKind.PROBE_FT, ids, lora_request=self.train_lora)
+            req = hidden.add(HiddenKind.PROBE_FT, ids, lora_request=self.sample_lora)
             self._ft.append((req.request_id, ids))
             owned.append(req.request_id)
         result = yield

@@ -27,6 +27,7 @@ OWNED_KWARGS = frozenset({"scheduler_cls", "worker_extension_cls", "enable_lora"
                           "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
                           "enforce_eager"})
 CAPTURE_PATHS = ("auto", "hooks", "aux")
+TRAINING_LORA_PATHS = ("auto", "direct", "vllm")
 
 
 def lora_rank_for(r: int) -> int:
@@ -44,20 +45,24 @@ class VLLMHostConfig(HostConfig):
     None: the one that holds the default LoRA config's ``r``; it must hold the training
     adapter's ``r`` (checked at attach). ``block_size``: vLLM's KV block in tokens (the KV
     cache is ``kv_cache_tokens // block_size`` blocks). ``capture``: ``auto``, ``hooks`` or
-    ``aux`` (see :mod:`.hooks`). ``enforce_eager``: decoder-layer hooks run only in eager mode
-    (CPU with LoRA is eager regardless). ``engine``: any other ``vllm.LLM`` keyword argument."""
+    ``aux`` (see :mod:`.hooks`). ``training_lora``: ``auto``, ``direct`` or ``vllm``, who adds
+    the training adapter to the training rows (see :mod:`.direct_lora`). ``enforce_eager``:
+    decoder-layer hooks run only in eager mode (CPU with LoRA is eager regardless).
+    ``engine``: any other ``vllm.LLM`` keyword argument."""
 
     enable_prefix_caching: bool = True
     max_loras: int = 2
     max_lora_rank: int | None = None
     block_size: int = 128
     capture: str = "auto"
+    training_lora: str = "auto"
     enforce_eager: bool = True
     engine: Mapping[str, object] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_choice("capture", self.capture, CAPTURE_PATHS)
+        require_choice("training_lora", self.training_lora, TRAINING_LORA_PATHS)
         require(self.max_loras >= 2, "max_loras", self.max_loras,
                 "must be >= 2 (one slot is the training adapter's)")
         require(self.max_lora_rank is None or self.max_lora_rank in VLLM_LORA_RANKS,

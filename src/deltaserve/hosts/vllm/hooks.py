@@ -44,7 +44,8 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from deltaserve.core.shape import ExecMode
-from deltaserve.hosts.vllm.config import CAPTURE_PATHS
+from deltaserve.hosts.vllm.config import CAPTURE_PATHS, TRAINING_LORA_PATHS
+from deltaserve.hosts.vllm.direct_lora import DirectLoRA
 from deltaserve.hosts.vllm.link import EngineLink, ForwardRecord, RowLayout
 
 LayerForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -85,16 +86,37 @@ def capture_path(runner: GPUModelRunner, capture: str) -> str:
     return path
 
 
+def training_lora_path(runner: GPUModelRunner, capture_path: str, training_lora: str) -> str:
+    """Who applies the training adapter to the training rows (:mod:`.direct_lora`): ``direct``
+    where the layer hooks run on one tensor-parallel rank (``auto`` picks it there), else
+    ``vllm``; raises where ``direct`` is asked for and cannot run."""
+    if training_lora not in TRAINING_LORA_PATHS:
+        raise ValueError(f"training_lora={training_lora!r}: expected one of "
+                         f"{TRAINING_LORA_PATHS}")
+    one_rank = runner.vllm_config.parallel_config.tensor_parallel_size == 1
+    possible = capture_path == "hooks" and one_rank and \
+        getattr(runner, "lora_manager", None) is not None
+    if training_lora == "direct" and not possible:
+        raise RuntimeError("training_lora='direct' needs the layer hooks (capture='hooks', "
+                           "eager), one tensor-parallel rank and vLLM's LoRA slots")
+    if training_lora == "auto":
+        return "direct" if possible else "vllm"
+    return training_lora
+
+
 class ForwardHooks:
     """The hook set on one model runner: time every forward, capture the rows of
     ``link.rows``, and (``hooks`` path) cut a training-only step short."""
 
-    def __init__(self, runner: GPUModelRunner, link: EngineLink, capture: str = "auto"):
+    def __init__(self, runner: GPUModelRunner, link: EngineLink, capture: str = "auto",
+                 training_lora: str = "auto"):
         self.runner = runner
         self.link = link
         self.model: nn.Module = runner.model
         self.layers = decoder_layers(self.model)
         self.path = capture_path(runner, capture)
+        self.training_lora = training_lora_path(runner, self.path, training_lora)
+        self.direct = DirectLoRA(self.layers) if self.training_lora == "direct" else None
         # the model class of aux_model requests the aux outputs itself, at build time
         self._builtin_aux = hasattr(self.model, "deltaserve_aux")
         self.interrupt = self.path == "hooks"
@@ -115,6 +137,9 @@ class ForwardHooks:
     # ---- install / remove -------------------------------------------------------------------
     def install(self) -> None:
         m = self.model
+        if self.direct is not None:
+            self.direct.install()
+        self.link.direct_lora = self.direct is not None
         self._handles.append(m.register_forward_pre_hook(self._pre_model, with_kwargs=True))
         self._handles.append(m.register_forward_hook(self._post_model, with_kwargs=True))
         if self.path == "aux":
@@ -127,6 +152,9 @@ class ForwardHooks:
             self._wrapped.append(layer)
 
     def remove(self) -> None:
+        if self.direct is not None:
+            self.direct.remove()
+        self.link.direct_lora = False
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -160,8 +188,20 @@ class ForwardHooks:
         layout = self.link.rows
         self._layout = layout if layout is not None and layout.valid else None
         self._index = self._row_index(self._layout) if self._layout is not None else None
+        if self._index is not None and self.direct is not None:
+            self._begin_direct(self._index)
         if self._index is None:
             self._layout = None
+
+    def _begin_direct(self, index: torch.Tensor) -> None:
+        publisher = self.link.publisher
+        if publisher is None:  # no adapter to add: the step gives its samples back
+            assert self._layout is not None
+            self._layout.valid = False
+            self._index = None
+            return
+        assert self.direct is not None
+        self.direct.begin(index, publisher)
 
     def _row_index(self, layout: RowLayout) -> torch.Tensor | None:
         """Row numbers of the training requests in this forward, in ``step.rows`` order; None
@@ -213,6 +253,8 @@ class ForwardHooks:
         self._layout = None
         self._index = None
         self._bypass = False
+        if self.direct is not None:
+            self.direct.end()
         return replaced
 
     def _aux_outputs(self, module: nn.Module, output: torch.Tensor | tuple[torch.Tensor, ...]

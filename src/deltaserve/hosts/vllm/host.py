@@ -116,7 +116,8 @@ class VLLMHost(DelegatedTraining, BaseHost):
         self.link: EngineLink = link
         self.scheduler: CoServingScheduler = link.scheduler
         self.worker_info: WorkerInfo = self.llm.collective_rpc(
-            "deltaserve_install", kwargs=dict(capture=config.capture))[0]
+            "deltaserve_install", kwargs=dict(capture=config.capture,
+                                              training_lora=config.training_lora))[0]
         self.training = EngineTraining(link, vc)
         super().__init__(load_tokenizer(self.training.model_path), vc.model_config.max_model_len)
         link.on_step = self._record

@@ -67,6 +67,8 @@ class EngineLink:
     """Shared state of one engine. ``scheduler``/``runner``: DeltaServe's scheduler and the
     worker's model runner (its hooks installed), registered by themselves. ``coserver``: the
     attached co-server. ``train_lora``: vLLM's ``LoRARequest`` of the reserved training adapter.
+    ``direct_lora``: the worker's hooks add that adapter to the training rows themselves
+    (:mod:`.direct_lora`), so the samples run as base-model requests (:attr:`sample_lora`).
     ``calibration``: a running calibration plan. ``rows``: the training rows of the step being
     dispatched. ``steps``: non-empty steps so far. ``on_step``: told of every executed step (the
     host's timeline and inference-only refit). ``on_shutdown``: called when vLLM shuts the
@@ -82,6 +84,7 @@ class EngineLink:
     runner: GPUModelRunner | None = None
     coserver: CoServingHooks | None = None
     train_lora: LoRARequest | None = None
+    direct_lora: bool = False
     publisher: AdapterPublisher | None = None
     calibration: CalibrationRun | None = None
     rows: RowLayout | None = None
@@ -91,6 +94,11 @@ class EngineLink:
     on_shutdown: Callable[[], None] | None = None
     idle_wait_s: float = 0.0
     wake: threading.Event | None = None
+
+    @property
+    def sample_lora(self) -> LoRARequest | None:
+        """The ``LoRARequest`` a training sample's hidden request carries."""
+        return None if self.direct_lora else self.train_lora
 
     def take_forward(self) -> ForwardRecord | None:
         rec, self.last_forward = self.last_forward, None

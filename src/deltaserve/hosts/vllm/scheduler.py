@@ -198,7 +198,8 @@ class CoServingScheduler(Scheduler):
         return so
 
     def _queue(self, step: TrainingStep) -> tuple[str, ...]:
-        """One hidden request per sample of ``step.rows``, on the training adapter."""
+        """One hidden request per sample of ``step.rows``, on the training adapter (applied by
+        vLLM's LoRA or by the worker's hooks: :attr:`EngineLink.sample_lora`)."""
         rows, lora = step.rows, self.link.train_lora
         if not rows.num_samples:
             return ()
@@ -209,7 +210,8 @@ class CoServingScheduler(Scheduler):
                              "rows are not run")
                 self._warned_mlp = True
             return ()
-        return tuple(self.hidden.add(HiddenKind.SAMPLE, ids, lora_request=lora).request_id
+        return tuple(self.hidden.add(HiddenKind.SAMPLE, ids,
+                                     lora_request=self.link.sample_lora).request_id
                      for ids in rows.token_ids)
 
     def _with_mode(self, shape: StepShape) -> StepShape:

@@ -32,11 +32,13 @@ JSON = dict[str, JSONValue]
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """Facts about the worker's model: the capture path the hooks use, whether they can cut a
-    step short, how vLLM runs the model, and whether the backward can view its weights."""
+    """Facts about the worker's model: the capture path the hooks use, who adds the training
+    adapter to the training rows, whether the hooks can cut a step short, how vLLM runs the
+    model, and whether the backward can view its weights."""
 
     num_layers: int
     capture_path: str
+    training_lora: str
     interrupt: bool
     compilation_mode: int
     cudagraph_mode: str
@@ -51,19 +53,22 @@ class CoServingWorkerExtension:
     model_runner: GPUModelRunner
 
     # ---- set-up -----------------------------------------------------------------------------
-    def deltaserve_install(self, capture: str = "auto") -> WorkerInfo:
-        """Install the forward hooks (timing, capture, interrupt) and join the engine's link.
-        Idempotent (a second call replaces the hooks, e.g. with another capture path)."""
+    def deltaserve_install(self, capture: str = "auto", training_lora: str = "auto"
+                           ) -> WorkerInfo:
+        """Install the forward hooks (timing, capture, interrupt, the training adapter on the
+        training rows) and join the engine's link. Idempotent (a second call replaces the hooks,
+        e.g. with another capture path)."""
         check_version(str(vllm.__version__))
         link = link_for(self.vllm_config)
         self.deltaserve_uninstall()
-        hooks = ForwardHooks(self.model_runner, link, capture)
+        hooks = ForwardHooks(self.model_runner, link, capture, training_lora)
         hooks.install()
         self.deltaserve_hooks: ForwardHooks | None = hooks
         link.runner = self.model_runner
         cc = self.vllm_config.compilation_config
         runner = self.model_runner
-        return WorkerInfo(hooks.num_layers, hooks.path, hooks.interrupt, int(cc.mode),
+        return WorkerInfo(hooks.num_layers, hooks.path, hooks.training_lora, hooks.interrupt,
+                          int(cc.mode),
                           str(cc.cudagraph_mode), str(runner.device),
                           getattr(runner, "lora_manager", None) is not None,
                           views_available(runner.model))

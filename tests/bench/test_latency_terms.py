@@ -60,6 +60,17 @@ def test_the_analysis_finds_the_per_decode_cost_the_model_lacks():
         < 1e-6
 
 
+def test_the_fitted_costs_are_the_closed_form_ones():
+    eq = analyse(_closed_form_steps(0.0), min_s=0.0, folds=5, seed=0)["mixed"]
+    want = dict(alpha=1e-6, beta=2e-4, gamma=3e-4, epsilon=1e-6, c=0.02, zeta=1e-4)
+    assert eq["coefficients"] == pytest.approx(want, rel=1e-6)
+    alone = StepShape((), 0, 0, (40, 24))  # 64 training tokens and nothing else
+    seconds = float(np.dot(features(alone), list(want.values())))
+    rows = [step_row(StepRecord(0.0, alone, seconds, 64, False), None)] * 10
+    eq = analyse(_closed_form_steps(0.0) + rows, 0.0, 5, 0)["mixed"]
+    assert eq["ft_only_tokens_per_s"] == pytest.approx(64 / seconds)
+
+
 def test_the_command_writes_its_report(tmp_path, capsys):
     path = tmp_path / "steps.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _closed_form_steps(0.0)))

@@ -8,7 +8,9 @@ as :class:`~deltaserve.core.latency_model.LatencyModel` fits them) and each cand
 one term. Every fit is scored by K-fold
 cross-validation (each step predicted by a fit that never saw it): MAPE and bias (mean of
 actual ÷ predicted less one) per step kind, over the steps of at least ``--min-ms``. The online
-error of the run itself (each step's recorded prediction) is printed beside them. Per file, the
+error of the run itself (each step's recorded prediction) is printed beside them, and the
+model's coefficients fitted on every step (what a training token, an inference token and ζ
+cost on this host). Per file, the
 steps that ran at least ``--late`` times their online prediction are counted, with when they
 ran (seconds from the file's first step) and whether a yield preceded them: a term fits a
 trend, not a stall. And the time between steps that no step and no yield accounts for, before
@@ -29,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from deltaserve.bench.step_log import read_steps, shape_of
-from deltaserve.core.latency_terms import Equation, equation_of, features
+from deltaserve.core.latency_terms import TERMS, Equation, equation_of, features
 from deltaserve.core.nnls import nnls
-from deltaserve.core.shape import StepShape, kind_of
+from deltaserve.core.shape import StepKind, StepShape, kind_of
 
 Term = Callable[[StepShape], float]
 # candidate terms, each added to the model's own regressors of Equation I (mixed steps)
@@ -76,9 +78,26 @@ def by_kind(shapes: Sequence[StepShape], seconds: np.ndarray, predicted: np.ndar
     return out
 
 
+def fitted_costs(shapes: Sequence[StepShape], seconds: np.ndarray, eq: Equation) -> dict:
+    """The model's coefficients fitted on every step (relative weighting, NNLS), by name; for
+    Equation I also the training tokens per second of its steps that carried nothing else."""
+    x = _design(shapes, eq, None)
+    w = 1.0 / seconds
+    out: dict = {"coefficients": dict(zip(TERMS[eq], map(float, nnls(x * w[:, None],
+                                                                       seconds * w)),
+                                          strict=True))}
+    if eq is Equation.MIXED:
+        alone = [i for i, s in enumerate(shapes) if kind_of(s) is StepKind.FT_ONLY]
+        if alone:
+            tokens = sum(shapes[i].num_ft_tokens for i in alone)
+            out["ft_only_tokens_per_s"] = tokens / float(seconds[alone].sum())
+    return out
+
+
 def analyse(rows: Sequence[dict], min_s: float, folds: int, seed: int) -> dict:
-    """Per equation: the run's online error, the model's terms cross-validated, and each
-    candidate's (Equation I only: Equation II, decode-only steps, has no prefill or LoRA)."""
+    """Per equation: the run's online error, the model's terms fitted on every step and
+    cross-validated, and each candidate's (Equation I only: Equation II, decode-only steps,
+    has no prefill or LoRA)."""
     rows = [r for r in rows if not r["aborted"] and r["seconds"] >= min_s]
     report: dict = {}
     for eq in Equation:
@@ -93,6 +112,7 @@ def analyse(rows: Sequence[dict], min_s: float, folds: int, seed: int) -> dict:
         if online:
             entry["online"] = by_kind([s for s, _, _ in online], np.array([t for *_, t in online]),
                                       np.array([p for _, p, _ in online]))
+        entry.update(fitted_costs(shapes, seconds, eq))
         entry["model_terms"] = by_kind(shapes, seconds,
                                        cross_validated(shapes, seconds, eq, None, folds, seed))
         if eq is Equation.MIXED:
@@ -164,8 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "gaps": {p.name: step_gaps(r) for p, r in per_file.items()}}
     for eq, entry in report["equations"].items():
         print(f"equation {eq}: {entry['steps']} steps")
+        print("  fitted on every step: " + ", ".join(
+            f"{k} {v:.3g}" for k, v in entry["coefficients"].items())
+            + (f"; training-only steps {entry['ft_only_tokens_per_s']:.0f} tokens/s"
+               if "ft_only_tokens_per_s" in entry else ""))
         for fit, kinds in entry.items():
-            if fit == "steps":
+            if fit in ("steps", "coefficients", "ft_only_tokens_per_s"):
                 continue
             print(f"  {fit:>14}: " + "; ".join(f"{k} {v['mape']:.1%} (bias {v['bias']:+.1%}, "
                                                f"{v['steps']})" for k, v in kinds.items()))

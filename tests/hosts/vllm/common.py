@@ -121,25 +121,26 @@ def captured_rows(spy: SpyStep, data: list[TrainingSample], model_config, dtype
     for layer, rows in spy.hidden.items():
         buf.write_residual(layer, 0, rows.to(dtype))
     jobs, start = [], 0
-    for i in ids:
-        jobs.append(JobSample(i, start, data[i].labels, 0))
+    for i, seed in zip(ids, spy.rows.dropout_seeds, strict=True):
+        jobs.append(JobSample(i, start, data[i].labels, seed))
         start += data[i].num_tokens
     return buf, jobs
 
 
-def vllm_captured_grads(host, latency, data: list[TrainingSample], seed: int = 3
-                        ) -> tuple[torch.Tensor, AdapterWeights]:
+def vllm_captured_grads(host, latency, data: list[TrainingSample], seed: int = 3,
+                        lora: LoRAConfig = LORA
+                        ) -> tuple[torch.Tensor, AdapterWeights, dict[int, int]]:
     """LoRA gradients of ``data`` by the backward's recompute from activations captured inside
     vLLM (one training-only step), at a random non-trivial adapter published into the reserved
-    slot (every gradient path live); and that adapter."""
-    config = CoServeConfig(SLOConfig(30.0, 30.0), lora=LORA, interrupt=False,
+    slot (every gradient path live); that adapter; each sample's dropout seed, by sample id."""
+    config = CoServeConfig(SLOConfig(30.0, 30.0), lora=lora, interrupt=False,
                            backward=BackwardConfig(batch_tokens=4096),
                            admission=AdmissionConfig(max_ft_tokens_per_step=256))
     co = host.attach(config, dataset=data, latency_model=latency, progress=False)
     try:
         spies = spy_steps(co, keep_hidden=True)
         g = torch.Generator().manual_seed(seed)
-        weights = AdapterWeights(host.model_config, LORA)
+        weights = AdapterWeights(host.model_config, lora)
         with torch.no_grad():
             weights.flat.copy_(torch.randn(weights.numel, generator=g) * 0.02)
         host.publish_adapter(weights)
@@ -151,8 +152,9 @@ def vllm_captured_grads(host, latency, data: list[TrainingSample], seed: int = 3
         model = LlamaModel(host.model_config, host.backward_weights())
         buf, jobs = captured_rows(spy, data, host.model_config, model.weights.dtype)
         trainable = weights.clone(requires_grad=True)
-        layerwise_backward(model, trainable, buf, jobs, 0.0)
-        return trainable.gather_grad_().float(), weights
+        layerwise_backward(model, trainable, buf, jobs, host.training_dropout(lora))
+        return trainable.gather_grad_().float(), weights, {j.sample_id: j.dropout_seed
+                                                           for j in jobs}
     finally:
         host.detach(drain=False, checkpoint=False)
 

@@ -34,7 +34,7 @@ def test_bf16_gradients_are_within_pefts_own_bf16_error():
     try:
         latency = host.calibrate(LORA, SMALL_CAL, None, seed=0, progress=False)
         data = samples(host.tokenizer, 4)
-        ours, weights = vllm_captured_grads(host, latency, data)
+        ours, weights, _ = vllm_captured_grads(host, latency, data)
     finally:
         host.close()
     fp32 = peft_grads(weights, data, torch.float32)

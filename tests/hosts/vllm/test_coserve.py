@@ -33,6 +33,9 @@ from deltaserve.train.buffer import BufferSave  # noqa: E402
 from deltaserve.train.checkpoint_store import CheckpointConfig, find_latest  # noqa: E402
 from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy  # noqa: E402
 from deltaserve.train.optim import OptimizerConfig  # noqa: E402
+from tests.hosts.native.test_mixed_step_gradients import (  # noqa: E402
+    peft_grads as peft_grads_dropout,
+)
 from tests.hosts.spies import StepLog, spy_steps  # noqa: E402
 from tests.hosts.vllm.common import (  # noqa: E402
     ENGINE,
@@ -243,11 +246,29 @@ def test_hidden_requests_carry_their_own_full_strength_salt(host):
 
 def test_gradients_from_vllm_activations_equal_peft(host, latency):
     data = samples(host.tokenizer, 4)
-    ours, weights = vllm_captured_grads(host, latency, data)
+    ours, weights, _ = vllm_captured_grads(host, latency, data)
     want = peft_grads(weights, data, torch.float32)
     rel = relative_difference(ours, want)
     print(f"gradient relative difference to PEFT (fp32): {rel:.2e}")
     assert rel <= 1e-4
+
+
+def test_lora_dropout_inside_vllm_is_the_masks_the_backward_replays(host, latency):
+    """The worker's hooks (``direct``) drop each sample's LoRA inputs with the masks its seed
+    draws; PEFT, its dropout modules replaced by the same masks, gives the same gradients.
+    A mask vLLM's forward did not apply, or applied to another sample's rows, fails it."""
+    assert host.worker_info.training_lora == "direct"
+    lora = LoRAConfig(r=LORA.r, alpha=LORA.alpha, dropout=0.25)
+    assert host.training_dropout(lora) == 0.25
+    data = samples(host.tokenizer, 4)
+    ours, weights, seeds = vllm_captured_grads(host, latency, data, lora=lora)
+    assert len(set(seeds.values())) == len(data)
+    want = peft_grads_dropout(host.model_path, weights, data, [seeds[s.sample_id] for s in data])
+    without = peft_grads(weights, data, torch.float32)
+    rel = relative_difference(ours, want)
+    print(f"gradient relative difference to PEFT with the replayed masks: {rel:.2e}; "
+          f"PEFT without dropout: {relative_difference(without, want):.2e}")
+    assert rel <= 1e-4 < relative_difference(without, want)
 
 
 def test_arrival_aborts_training_only_step_at_a_layer_boundary(host, latency):

@@ -14,6 +14,9 @@ adds the adapter to their rows only::
 with ``A_s``, ``B_s`` read from the reserved slot that :mod:`.publish` writes (``B`` holds
 PEFT's scaling, the slot is zero past rank ``r``), so the rows compute exactly the adapter that
 vLLM serves to clients. Client requests on their own adapters still go through vLLM's LoRA.
+The rows' LoRA dropout is applied here too, per projection as PEFT applies it, with the masks
+the co-server's backward replays (:func:`deltaserve.model.lora.dropout_`: a hash of the
+sample's seed, layer, projection, row in the sample and column), which vLLM's ops cannot do.
 
 Only where the layer hooks run (the ``hooks`` capture path: a hook inside a compiled graph does
 not) and with one tensor-parallel rank (the hook must see the whole projection); elsewhere
@@ -26,7 +29,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from deltaserve.core.contract import TrainingRows
 from deltaserve.hosts.vllm.publish import PACKED, AdapterPublisher
+from deltaserve.model.lora import DropoutKeys, DropoutSegment
 
 
 class DirectLoRA:
@@ -39,12 +44,14 @@ class DirectLoRA:
         self._rows: torch.Tensor | None = None
         self._slot = 0
         self._rank = 0
+        self._dropout = 0.0
+        self._keys: DropoutKeys | None = None
 
     def install(self) -> None:
-        for layer in self.layers:
-            for packed, _ in PACKED:
+        for i, layer in enumerate(self.layers):
+            for packed, parts in PACKED:
                 module = layer.get_submodule(packed)
-                self._handles.append(module.register_forward_hook(self._add))
+                self._handles.append(module.register_forward_hook(self._hook(i, parts)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -52,25 +59,44 @@ class DirectLoRA:
         self._handles.clear()
         self._rows = None
 
-    def begin(self, rows: torch.Tensor, publisher: AdapterPublisher) -> None:
-        """This forward's training rows (device indices, any order) and the slot they read."""
+    def begin(self, rows: torch.Tensor, training: TrainingRows,
+              publisher: AdapterPublisher) -> None:
+        """This forward's training rows: their indices in the batch (device, in
+        ``training``'s order), their samples (dropout) and the slot they read."""
         self._rows, self._slot, self._rank = rows, publisher.slot, publisher.config.r
+        self._dropout, self._keys = training.dropout, None
+        if training.dropout > 0.0:
+            segments, offset = [], 0
+            for n, seed in zip(training.lengths, training.dropout_seeds, strict=True):
+                segments.append(DropoutSegment(offset, n, seed))
+                offset += n
+            self._keys = DropoutKeys(tuple(segments), rows.device)
 
     def end(self) -> None:
-        self._rows = None
+        self._rows = self._keys = None
 
-    def _add(self, module: nn.Module, args: tuple[torch.Tensor, ...],
-             output: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
-        rows = self._rows
-        if rows is None:
-            return
-        out = output[0] if isinstance(output, tuple) else output
-        x = args[0].index_select(0, rows)
-        s, r = self._slot, self._rank
+    def _hook(self, layer: int, parts: tuple[str, ...]):
+        def add(module: nn.Module, args: tuple[torch.Tensor, ...],
+                output: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+            if self._rows is not None:
+                self._add(module, layer, parts, args[0],
+                          output[0] if isinstance(output, tuple) else output)
+
+        return add
+
+    def _add(self, module: nn.Module, layer: int, parts: tuple[str, ...], x_all: torch.Tensor,
+             out: torch.Tensor) -> None:
+        rows, s, r, p = self._rows, self._slot, self._rank, self._dropout
+        assert rows is not None
+        x = x_all.index_select(0, rows)
         n_in = x.shape[1]
+        deltas = []
         # each stacked A is [max_loras, 1, max_rank, in], each B [max_loras, 1, out_s, max_rank];
         # the slices' outputs (``output_slices`` wide) lie side by side in the projection's
-        delta = torch.cat([(x @ a[s, 0, :r, :n_in].t()) @ b[s, 0, :n_out, :r].t()
-                           for a, b, n_out in zip(module.lora_a_stacked, module.lora_b_stacked,
-                                                  module.output_slices, strict=True)], dim=1)
-        out.index_add_(0, rows, delta.to(out.dtype))
+        for proj, a, b, n_out in zip(parts, module.lora_a_stacked, module.lora_b_stacked,
+                                     module.output_slices, strict=True):
+            xs = x
+            if self._keys is not None:  # PEFT: each projection's own dropout of the input
+                xs = x * self._keys.keep(n_in, p, layer, proj) / (1.0 - p)
+            deltas.append((xs @ a[s, 0, :r, :n_in].t()) @ b[s, 0, :n_out, :r].t())
+        out.index_add_(0, rows, torch.cat(deltas, dim=1).to(out.dtype))

@@ -200,8 +200,8 @@ class ForwardHooks:
             self._layout.valid = False
             self._index = None
             return
-        assert self.direct is not None
-        self.direct.begin(index, publisher)
+        assert self.direct is not None and self._layout is not None
+        self.direct.begin(index, self._layout.step.rows, publisher)
 
     def _row_index(self, layout: RowLayout) -> torch.Tensor | None:
         """Row numbers of the training requests in this forward, in ``step.rows`` order; None

@@ -2,8 +2,11 @@
 for one vLLM engine, wherever the co-server runs: the in-process :class:`~.host.VLLMHost`
 delegates to it, and so does the engine process of ``deltaserve serve`` (:mod:`.remote`).
 
-vLLM's LoRA kernels apply no dropout, so the activations captured inside vLLM are those of a
-dropout-free forward and the backward must replay that forward: ``training_dropout`` is 0.0.
+LoRA dropout: where the worker's hooks add the training adapter to the training rows
+(:mod:`.direct_lora`) they apply the co-server's seeded masks, and ``training_dropout`` is the
+LoRA config's; where vLLM's LoRA ops do (the compiled ``aux`` path), which have no dropout, the
+captured activations are those of a dropout-free forward, the backward must replay that, and it
+is 0.0.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ class EngineTraining:
                                 self.dtype)
 
     def training_dropout(self, lora: LoRAConfig) -> float:
-        return 0.0  # vLLM's LoRA forward has no dropout (module docstring)
+        # the worker's hooks apply the seeded masks (direct); vLLM's LoRA ops have no dropout
+        return lora.dropout if self.link.direct_lora else 0.0
 
     def install_training_adapter(self, adapter: AdapterWeights) -> None:
         """Reserve the slot (unless calibration reserved it for the same LoRA config) and make

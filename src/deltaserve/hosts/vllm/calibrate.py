@@ -68,15 +68,15 @@ class StepResult:
 class CalibrationRun:
     """One pass of the shared calibration loop over vLLM, advanced by the scheduler step by
     step. The training adapter must be reserved; ``sample_lora`` is what the probes' training
-    rows name (:attr:`EngineLink.sample_lora`: None where the worker's hooks add the adapter);
-    ``on_done`` is called with the fitted model, which ``model`` then holds."""
+    rows name (:attr:`EngineLink.sample_lora`: None where the worker's hooks add the adapter)
+    and ``dropout`` their LoRA dropout, as the co-server's rows will have them (the masks cost
+    time); ``on_done`` is called with the fitted model, which ``model`` then holds."""
 
     def __init__(self, facts: EngineFacts, config: CalibrationConfig | None,
-                 latency: LatencyModelConfig | None, sample_lora: LoRARequest | None, *,
-                 seed: int = 0,
-                 progress: bool = False,
+                 latency: LatencyModelConfig | None, sample_lora: LoRARequest | None,
+                 dropout: float, *, seed: int = 0, progress: bool = False,
                  on_done: Callable[[LatencyModel], None] | None = None):
-        self.prober = VLLMProber(facts, sample_lora, seed=seed)
+        self.prober = VLLMProber(facts, sample_lora, dropout, seed=seed)
         self.config, self.latency, self.progress = config, latency, progress
         self.on_done = on_done
         self.model: LatencyModel | None = None
@@ -121,9 +121,11 @@ class VLLMProber:
     :class:`~deltaserve.core.calibration_loop.SteppedProber` sent each step's
     :class:`StepResult`). ``bind`` gives it the scheduler before the loop opens it."""
 
-    def __init__(self, facts: EngineFacts, sample_lora: LoRARequest | None, *, seed: int = 0):
+    def __init__(self, facts: EngineFacts, sample_lora: LoRARequest | None, dropout: float, *,
+                 seed: int = 0):
         self.facts = facts
         self.sample_lora = sample_lora
+        self.dropout = dropout
         self.rng = random.Random(seed)
         self.points = 0
         self.skipped: list[str] = []
@@ -155,7 +157,7 @@ class VLLMProber:
         if not ft:
             return None
         assert self.scratch is not None
-        step = probe_step(tuple(ids for _, ids in ft), ex.shape, 0.0, self.scratch)
+        step = probe_step(tuple(ids for _, ids in ft), ex.shape, self.dropout, self.scratch)
         return RowLayout(step, tuple(rid for rid, _ in ft))
 
     def _tokens(self, n: int) -> list[int]:

@@ -90,8 +90,9 @@ class EngineTraining:
         cc = self.vllm_config.cache_config
         facts = EngineFacts(self.limits, self.model_config, self.dtype,
                             self.scheduler.block_size, bool(cc.enable_prefix_caching))
-        return CalibrationRun(facts, calibration, latency, self.link.sample_lora, seed=seed,
-                              progress=progress, on_done=on_done)
+        return CalibrationRun(facts, calibration, latency, self.link.sample_lora,
+                              self.training_dropout(lora), seed=seed, progress=progress,
+                              on_done=on_done)
 
     def _publisher(self, lora: LoRAConfig, weights: Callable[[], AdapterWeights]
                    ) -> AdapterPublisher:

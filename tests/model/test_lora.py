@@ -6,7 +6,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from deltaserve.model import AdapterWeights, CausalSegments, ForwardContext, LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
-from deltaserve.model.lora import DropoutSegment, LoRAGroup, dropout_
+from deltaserve.model.lora import DropoutSegment, LoRAGroup, _hash32, _hash32_, dropout_
 from deltaserve.model.peft_io import load_adapter, save_adapter
 from tests.tiny import hf_tiny_llama
 
@@ -113,6 +113,15 @@ def test_dropout_keeps_one_minus_p_and_preserves_the_mean(p):
     assert abs(kept.double().mean().item() - (1 - p)) <= 5 * (p * (1 - p) / n) ** 0.5
     torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / (1 - p)))
     assert abs(y.mean().item() - 1.0) <= 5 * (p / ((1 - p) * n)) ** 0.5
+
+
+def test_the_in_place_hash_is_the_hash_bit_for_bit():
+    x = torch.cat([torch.randint(0, 2**32, (10_000,), dtype=torch.long,
+                                 generator=torch.Generator().manual_seed(0)),
+                   torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1])])
+    want = torch.tensor([_hash32(int(v)) for v in x])  # the int form: Python's exact arithmetic
+    assert torch.equal(_hash32_(x.clone()), want)
+    assert torch.equal(_hash32(x), want)
 
 
 def test_lora_config_validation():

@@ -4,9 +4,20 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from deltaserve.core import InputError
 from deltaserve.model import AdapterWeights, CausalSegments, ForwardContext, LlamaModel, LoRAConfig
 from deltaserve.model.loading import load_weights
-from deltaserve.model.lora import DropoutSegment, LoRAGroup, _hash32, _hash32_, dropout_
+from deltaserve.model.lora import (
+    ALL_MODULES,
+    DropoutKeys,
+    DropoutSegment,
+    LoRAGroup,
+    _fold32,
+    _hash32,
+    _hash32_,
+    _mix32_,
+    dropout_,
+)
 from deltaserve.model.peft_io import load_adapter, save_adapter
 from tests.tiny import hf_tiny_llama
 
@@ -122,6 +133,31 @@ def test_the_in_place_hash_is_the_hash_bit_for_bit():
     want = torch.tensor([_hash32(int(v)) for v in x])  # the int form: Python's exact arithmetic
     assert torch.equal(_hash32_(x.clone()), want)
     assert torch.equal(_hash32(x), want)
+
+
+def test_masks_are_the_hash_of_seed_layer_module_row_and_column():
+    """Brute force, one entry at a time in Python's exact integers, against the batched keys
+    (every site's rows hashed at once, packed projections together)."""
+    segs = (DropoutSegment(0, 3, seed=2**40 + 7), DropoutSegment(3, 2, seed=5))
+    keys = DropoutKeys(segs, "cpu", num_layers=3)
+    p, cols = 0.4, 6
+    thr = round((1 - p) * 2**32)
+
+    def kept(layer: int, module: str, row: int, col: int) -> bool:
+        seg = next(s for s in segs if s.offset <= row < s.offset + s.length)
+        site = _fold32(layer * len(ALL_MODULES) + ALL_MODULES.index(module) + 1)
+        r = _hash32(_hash32(_fold32(seg.seed) ^ site) ^ _hash32((row - seg.offset) ^ 0x5BD1E995))
+        return _mix32_(r ^ _hash32(col ^ site)) < thr
+
+    for layer in range(3):
+        for module in ALL_MODULES:
+            want = torch.tensor([[kept(layer, module, i, c) for c in range(cols)]
+                                 for i in range(5)])
+            assert torch.equal(keys.keep(cols, p, layer, module), want), (layer, module)
+        qkv = keys.keep_packed(cols, p, layer, ("q_proj", "k_proj", "v_proj"))
+        assert torch.equal(qkv[2], keys.keep(cols, p, layer, "v_proj"))
+    with pytest.raises(InputError, match="modules"):
+        keys.keep_packed(cols, p, 0, ("q_proj", "v_proj"))
 
 
 def test_lora_config_validation():

@@ -195,12 +195,23 @@ def _hash32(x: torch.Tensor | int) -> torch.Tensor | int:
 
 def _hash32_(x: torch.Tensor) -> torch.Tensor:
     """:func:`_hash32` of an int64 tensor in place, bit for bit (half the memory traffic of the
-    out-of-place form: a step's masks hash every entry of every projection's input)."""
+    out-of-place form)."""
     x ^= x >> 16
     x.mul_(_MUL[0]).bitwise_and_(_MASK32)
     x ^= x >> 15
     x.mul_(_MUL[1]).bitwise_and_(_MASK32)
     x ^= x >> 16
+    return x
+
+
+def _mix32_(x: torch.Tensor | int) -> torch.Tensor | int:
+    """An entry's value from its row's and column's hashes xor-ed (``x`` in [0, 2³²), int64,
+    mixed in place): bits 16-47 of one product, where every bit of ``x`` reaches (the row and
+    column hashes are full hashes already; a second full hash per entry would double the cost of
+    every mask, which a step draws for every projection of every layer)."""
+    if isinstance(x, int):
+        return ((x * _MUL[0]) >> 16) & _MASK32
+    x.mul_(_MUL[0]).bitwise_right_shift_(16).bitwise_and_(_MASK32)
     return x
 
 
@@ -214,9 +225,12 @@ def _fold32(value: int) -> int:
 
 class DropoutKeys:
     """Per row of a group: its sample's seed (folded) and its position in the sample (hashed),
-    on the device, built once before the step so that no layer copies anything to the device."""
+    on the device, built once before the step so that no layer copies anything to the device;
+    with them each (layer, module) site's row hashes for ``num_layers`` layers (one batched
+    hash, not one per site: a step draws a mask at every projection of every layer)."""
 
-    def __init__(self, segments: tuple[DropoutSegment, ...], device: torch.device | str):
+    def __init__(self, segments: tuple[DropoutSegment, ...], device: torch.device | str,
+                 num_layers: int):
         seeds: list[int] = []
         positions: list[int] = []
         for seg in segments:
@@ -224,14 +238,40 @@ class DropoutKeys:
             positions += range(seg.length)
         self.seed = torch.tensor(seeds, dtype=torch.long, device=device)
         self.position = _hash32(torch.tensor(positions, dtype=torch.long) ^ 0x5BD1E995).to(device)
+        self.sites = torch.tensor([_site(layer, m) for layer in range(num_layers)
+                                   for m in ALL_MODULES], dtype=torch.long, device=device)
+        # [sites, rows]: each row's hash at each site
+        self.rows = _hash32_(_hash32_(self.seed[None, :] ^ self.sites[:, None])
+                             ^ self.position[None, :])
+        self._cols: dict[int, torch.Tensor] = {}
+
+    def _col(self, cols: int) -> torch.Tensor:
+        """[sites, cols]: each column's hash at each site (once per width per step)."""
+        col = self._cols.get(cols)
+        if col is None:
+            arange = torch.arange(cols, dtype=torch.long, device=self.seed.device)
+            col = self._cols[cols] = _hash32_(arange[None, :] ^ self.sites[:, None])
+        return col
 
     def keep(self, cols: int, p: float, layer: int, module: str) -> torch.Tensor:
         """[rows, cols] bool: True where an entry is kept (probability 1 − ``p``)."""
-        site = _fold32(layer * len(ALL_MODULES) + ALL_MODULES.index(module) + 1)
-        row = _hash32(_hash32(self.seed ^ site) ^ self.position)
-        col = _hash32(torch.arange(cols, dtype=torch.long, device=self.seed.device) ^ site)
-        u = _hash32_(row[:, None] ^ col[None, :])  # a fresh tensor: hashed in place
-        return u < round((1.0 - p) * 2**32)
+        return self.keep_packed(cols, p, layer, (module,))[0]
+
+    def keep_packed(self, cols: int, p: float, layer: int, modules: tuple[str, ...]
+                    ) -> torch.Tensor:
+        """[len(modules), rows, cols]: :meth:`keep` of modules adjacent in ``ALL_MODULES`` (a
+        packed projection's: q, k, v or gate, up), hashed together."""
+        first = layer * len(ALL_MODULES) + ALL_MODULES.index(modules[0])
+        require(ALL_MODULES[first % len(ALL_MODULES):][:len(modules)] == modules, "modules",
+                modules, "must be adjacent in ALL_MODULES")
+        span = slice(first, first + len(modules))
+        return _mix32_(self.rows[span, :, None] ^ self._col(cols)[span, None, :]) \
+            < round((1.0 - p) * 2**32)
+
+
+def _site(layer: int, module: str) -> int:
+    """The hash key of a (layer, module) site."""
+    return int(_fold32(layer * len(ALL_MODULES) + ALL_MODULES.index(module) + 1))
 
 
 @dataclass(frozen=True)
@@ -248,7 +288,8 @@ class LoRAGroup:
 
     def __post_init__(self) -> None:
         if self.dropout > 0.0:
-            object.__setattr__(self, "keys", DropoutKeys(self.segments, self.adapter.flat.device))
+            object.__setattr__(self, "keys", DropoutKeys(self.segments, self.adapter.flat.device,
+                                                         self.adapter.model_config.num_layers))
 
 
 def training_group(adapter: AdapterWeights, rows: slice | torch.Tensor,
@@ -268,7 +309,7 @@ def dropout_(x: torch.Tensor, p: float, segments: tuple[DropoutSegment, ...], la
     sample, column): a sample draws the same mask wherever it sits in a batch. ``keys``: the
     segments' keys, built beforehand (here when not given)."""
     if keys is None:
-        keys = DropoutKeys(segments, x.device)
+        keys = DropoutKeys(segments, x.device, layer + 1)
     require(keys.seed.shape[0] == x.shape[0], "dropout segments", [s.length for s in segments],
             f"cover {keys.seed.shape[0]} rows, the group has {x.shape[0]}")
     return x * keys.keep(x.shape[1], p, layer, module) / (1.0 - p)

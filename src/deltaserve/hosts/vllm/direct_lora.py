@@ -70,7 +70,7 @@ class DirectLoRA:
             for n, seed in zip(training.lengths, training.dropout_seeds, strict=True):
                 segments.append(DropoutSegment(offset, n, seed))
                 offset += n
-            self._keys = DropoutKeys(tuple(segments), rows.device)
+            self._keys = DropoutKeys(tuple(segments), rows.device, len(self.layers))
 
     def end(self) -> None:
         self._rows = self._keys = None
@@ -90,13 +90,13 @@ class DirectLoRA:
         assert rows is not None
         x = x_all.index_select(0, rows)
         n_in = x.shape[1]
+        # PEFT: each projection's own dropout of the input, [len(parts), rows, in]
+        keep = self._keys.keep_packed(n_in, p, layer, parts) if self._keys is not None else None
         deltas = []
         # each stacked A is [max_loras, 1, max_rank, in], each B [max_loras, 1, out_s, max_rank];
         # the slices' outputs (``output_slices`` wide) lie side by side in the projection's
-        for proj, a, b, n_out in zip(parts, module.lora_a_stacked, module.lora_b_stacked,
-                                     module.output_slices, strict=True):
-            xs = x
-            if self._keys is not None:  # PEFT: each projection's own dropout of the input
-                xs = x * self._keys.keep(n_in, p, layer, proj) / (1.0 - p)
+        for j, (a, b, n_out) in enumerate(zip(module.lora_a_stacked, module.lora_b_stacked,
+                                              module.output_slices, strict=True)):
+            xs = x if keep is None else x * keep[j] / (1.0 - p)
             deltas.append((xs @ a[s, 0, :r, :n_in].t()) @ b[s, 0, :n_out, :r].t())
         out.index_add_(0, rows, torch.cat(deltas, dim=1).to(out.dtype))

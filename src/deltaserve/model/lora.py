@@ -296,11 +296,16 @@ def training_group(adapter: AdapterWeights, rows: slice | torch.Tensor,
                    training: TrainingRows) -> LoRAGroup:
     """The training adapter on a step's training rows, each sample's dropout seeded by its own
     seed (so the backward replays the forward's masks)."""
+    return LoRAGroup(adapter, rows, training.dropout, dropout_segments(training))
+
+
+def dropout_segments(training: TrainingRows) -> tuple[DropoutSegment, ...]:
+    """One segment per sample of a step's training rows, in order, seeded by its own seed."""
     segments, offset = [], 0
     for n, seed in zip(training.lengths, training.dropout_seeds, strict=True):
         segments.append(DropoutSegment(offset, n, seed))
         offset += n
-    return LoRAGroup(adapter, rows, training.dropout, tuple(segments))
+    return tuple(segments)
 
 
 def dropout_(x: torch.Tensor, p: float, segments: tuple[DropoutSegment, ...], layer: int,

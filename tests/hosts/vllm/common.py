@@ -167,8 +167,9 @@ def peft_grads(weights: AdapterWeights, data: list[TrainingSample], dtype: torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2"), dtype=dtype)
-    pm = get_peft_model(hf, LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0,
-                                       target_modules=list(LORA.target_modules)))
+    lora = weights.config  # without its dropout: the reference computes none
+    pm = get_peft_model(hf, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0,
+                                       target_modules=list(lora.target_modules)))
     named = dict(pm.named_parameters())
     with torch.no_grad():
         for key, value in weights.to_peft_state_dict().items():

@@ -253,12 +253,17 @@ def test_gradients_from_vllm_activations_equal_peft(host, latency):
     assert rel <= 1e-4
 
 
-def test_lora_dropout_inside_vllm_is_the_masks_the_backward_replays(host, latency):
+@pytest.mark.parametrize("targets", [
+    LORA.target_modules,
+    # part of a packed projection: q and v beside an untargeted k, up beside an untargeted gate
+    ("q_proj", "v_proj", "up_proj")])
+def test_lora_dropout_inside_vllm_is_the_masks_the_backward_replays(host, latency, targets):
     """The worker's hooks (``direct``) drop each sample's LoRA inputs with the masks its seed
     draws; PEFT, its dropout modules replaced by the same masks, gives the same gradients.
-    A mask vLLM's forward did not apply, or applied to another sample's rows, fails it."""
+    A mask vLLM's forward did not apply, or applied to another sample's rows, or a targeted
+    slice of a packed projection the hooks skipped, fails it."""
     assert host.worker_info.training_lora == "direct"
-    lora = LoRAConfig(r=LORA.r, alpha=LORA.alpha, dropout=0.25)
+    lora = LoRAConfig(r=LORA.r, alpha=LORA.alpha, dropout=0.25, target_modules=targets)
     assert host.training_dropout(lora) == 0.25
     data = samples(host.tokenizer, 4)
     ours, weights, seeds = vllm_captured_grads(host, latency, data, lora=lora)

@@ -10,6 +10,7 @@ import pytest
 from deltaserve.bench.parity import (
     Verdict,
     attainment_check,
+    ceiling_note,
     ft_check,
     goal_checks,
     harvest_check,
@@ -78,6 +79,27 @@ def test_ft_margin_within_the_repeats_range_is_not_met():
         assert check.verdict == NOT_MET and "within the repeats' range" in check.why
         assert overall(goal_checks(doc)) == NOT_MET
     assert ft_check(repeated(llmstation_ft_range=(95.0, 111.9))).verdict == MET
+
+
+def _split(*repeats):
+    """A machine_time report whose llmstation repeats had (ceiling, tokens) each."""
+    return {"systems": {"llmstation": {"repeats": [
+        {"ceiling": c, "backward_tokens": t} for c, t in repeats]}}}
+
+
+def test_a_ceiling_below_llmstations_spread_says_no_policy_could_part_the_ranges():
+    # at 1.1x in every repeat, the worst repeat reaches 5500 tokens, under the best's 7000
+    tight = _split((1.1, 5000.0), (1.2, 7000.0), (1.1, 6000.0))
+    note = ceiling_note(tight)
+    assert "1.10–1.20× llmstation's tokens" in note and "reaches 5500 tokens" in note
+    assert "trained 7000" in note and "no admission policy could have" in note
+    # a ceiling wide enough to clear the best repeat from the worst: 1.5 x 6000 > 6500
+    assert "a policy could still" in ceiling_note(_split((1.5, 6000.0), (1.5, 6500.0)))
+    assert ceiling_note(None) == "" and ceiling_note({"systems": {}}) == ""
+    doc = repeated(llmstation_ft_range=(95.0, 115.0))
+    assert ft_check(doc, tight).why.endswith(note) and ft_check(doc).why.endswith("115.0]")
+    # a margin that is met carries no note
+    assert ft_check(repeated(), tight).why == ft_check(repeated()).why
 
 
 def test_ft_below_llmstation_is_not_met():

@@ -29,6 +29,7 @@ from pathlib import Path
 from deltaserve.bench.score import MET, overlaps
 from deltaserve.bench.systems import PILOT
 
+MACHINE_TIME = "machine_time.json"  # :mod:`deltaserve.bench.machine_time`'s report
 MIN_REPEATS = 3  # the issue's N: fewer repeats cannot say whether a margin is noise
 MISSING = "—"
 HOST_NAMES = {"native": "embedded (native)", "vllm": "vLLM", "sglang": "SGLang",
@@ -65,6 +66,7 @@ class HostRun:
     folder: str
     doc: dict
     command: str | None
+    machine_time: dict | None = None  # the folder's machine_time.json, where it has one
 
     @property
     def host(self) -> str:
@@ -80,9 +82,10 @@ def load_runs(base: Path, folders: Sequence[str]) -> list[HostRun]:
     FileNotFoundError."""
     runs = []
     for folder in folders:
-        command = base / folder / "COMMAND"
+        command, split = base / folder / "COMMAND", base / folder / MACHINE_TIME
         runs.append(HostRun(folder, json.loads((base / folder / "results.json").read_text()),
-                            command.read_text() if command.is_file() else None))
+                            command.read_text() if command.is_file() else None,
+                            json.loads(split.read_text()) if split.is_file() else None))
     return runs
 
 
@@ -158,8 +161,9 @@ def attainment_check(doc: dict, name: str) -> Check:
     return Check(goal, Verdict.MET if met else Verdict.NOT_MET, figures)
 
 
-def ft_check(doc: dict) -> Check:
-    """deltaserve's FT tokens/s above llmstation's, the repeat ranges not overlapping."""
+def ft_check(doc: dict, machine_time: dict | None = None) -> Check:
+    """deltaserve's FT tokens/s above llmstation's, the repeat ranges not overlapping; where
+    it is not met and the run's ``machine_time`` report is given, what bound the margin."""
     goal = "deltaserve FT tokens/s ≥ llmstation's, outside the repeats' range"
     systems = doc["systems"]
     key = "ft_tokens_per_s"
@@ -176,8 +180,30 @@ def ft_check(doc: dict) -> Check:
     if ds[key] < ll[key]:
         return Check(goal, Verdict.NOT_MET, f"below llmstation's; {figures}")
     if within:
-        return Check(goal, Verdict.NOT_MET, f"within the repeats' range; {figures}")
+        return Check(goal, Verdict.NOT_MET,
+                     f"within the repeats' range; {figures}{ceiling_note(machine_time)}")
     return Check(goal, Verdict.MET, figures)
+
+
+def ceiling_note(machine_time: dict | None) -> str:
+    """What llmstation's repeats left to any policy (:mod:`deltaserve.bench.machine_time`):
+    at its ceiling in every repeat, a system would still train in its worst repeat at most
+    ``min(ceiling_k × tokens_k)`` tokens; where that is not above llmstation's best repeat,
+    no admission policy could have put the ranges apart on this host. Empty without a
+    report or an llmstation entry in it."""
+    ll = (machine_time or {}).get("systems", {}).get(LLMSTATION, {})
+    reps = [r for r in ll.get("repeats", []) if r.get("ceiling")]
+    if not reps:
+        return ""
+    best_low = min(r["ceiling"] * r["backward_tokens"] for r in reps)
+    top = max(r["backward_tokens"] for r in reps)
+    ceilings = [r["ceiling"] for r in reps]
+    verdict = ("so no admission policy could have put the ranges apart here" if best_low <= top
+               else "so a policy could still have put the ranges apart")
+    return (f"; {MACHINE_TIME}: no policy could have trained more than "
+            f"{min(ceilings):.2f}–{max(ceilings):.2f}× llmstation's tokens in its repeats; at "
+            f"that ceiling the worst repeat reaches {best_low:.0f} tokens, llmstation's best "
+            f"repeat trained {top:.0f}, {verdict}")
 
 
 def harvest_check(doc: dict) -> Check:
@@ -196,9 +222,9 @@ def harvest_check(doc: dict) -> Check:
     return Check(goal, Verdict.MET if ds >= ll else Verdict.NOT_MET, figures)
 
 
-def goal_checks(doc: dict) -> list[Check]:
-    return [attainment_check(doc, DELTASERVE), attainment_check(doc, PIPELINE), ft_check(doc),
-            harvest_check(doc)]
+def goal_checks(doc: dict, machine_time: dict | None = None) -> list[Check]:
+    return [attainment_check(doc, DELTASERVE), attainment_check(doc, PIPELINE),
+            ft_check(doc, machine_time), harvest_check(doc)]
 
 
 def overall(checks: Sequence[Check]) -> Verdict:
@@ -248,7 +274,7 @@ def _host_line(run: HostRun) -> str:
 
 
 def _goal_lines(run: HostRun) -> list[str]:
-    checks = goal_checks(run.doc)
+    checks = goal_checks(run.doc, run.machine_time)
     note = (" (simulated: the issue's goal is for real hosts, checked here for reference)"
             if run.host == SIMULATED else "")
     return [f"- **{run.label}**{note}: goal {overall(checks)}.",

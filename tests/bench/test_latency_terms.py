@@ -97,12 +97,16 @@ def test_step_gaps_are_the_time_no_step_and_no_yield_holds_before_steps_with_dec
     # (end, seconds, yielded before it, shape): starts at 0.9, 1.3, 1.95, 2.5
     steps = [(1.0, 0.1, 0.0, prefill), (1.5, 0.2, 0.1, decode), (2.0, 0.05, 0.0, decode),
              (2.6, 0.1, 0.0, prefill)]
-    rows = [step_row(StepRecord(t, sh, s, 0, False, y, hooks_s=0.05), None)
-            for t, s, y, sh in steps]
+    # the garbage collector held the process 30 ms before the last decode step's record
+    rows = [step_row(StepRecord(t, sh, s, 0, False, y, hooks_s=0.05, gc_s=0.03 * (t == 2.0)),
+                     None) for t, s, y, sh in steps]
     g = step_gaps(rows)
     assert g["hooks_p50_ms"] == pytest.approx(50.0)
-    assert g["long_gaps_ms"] == [{"gap_ms": 200.0, "hooks_ms": 50.0},
-                                 {"gap_ms": 450.0, "hooks_ms": 50.0}]
+    assert g["long_gaps_ms"] == [{"gap_ms": 200.0, "hooks_ms": 50.0, "gc_ms": 0.0},
+                                 {"gap_ms": 450.0, "hooks_ms": 50.0, "gc_ms": 30.0}]
+    # logs written before the collector's time was recorded hold none
+    old = [{k: v for k, v in r.items() if k != "gc_s"} for r in rows]
+    assert [x.keys() for x in step_gaps(old)["long_gaps_ms"]] == [{"gap_ms", "hooks_ms"}] * 2
     # before the first decode step: 1.3 - 1.0 - 0.1 yielded = 0.2; before the second: 0.45;
     # the gap before the prefill-only step has no request decoding through it
     assert g["gaps"] == 2 and g["over_100ms"] == 2
@@ -117,4 +121,5 @@ def test_step_gaps_split_a_gap_into_the_hosts_step_and_the_time_outside_it():
     rows = [step_row(StepRecord(1.5, decode, 0.2, 0, False), None),
             step_row(StepRecord(2.0, decode, 0.05, 0, False, 0.1, span_s=0.4), None)]
     gap = step_gaps(rows)["long_gaps_ms"]
-    assert gap == [{"gap_ms": 350.0, "hooks_ms": 0.0, "host_ms": 250.0, "outside_ms": 100.0}]
+    assert gap == [{"gap_ms": 350.0, "hooks_ms": 0.0, "host_ms": 250.0, "outside_ms": 100.0,
+                    "gc_ms": 0.0}]

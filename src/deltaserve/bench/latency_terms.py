@@ -140,20 +140,22 @@ def step_gaps(rows: Sequence[dict]) -> dict:
     and how many exceed 0.1 s; and, for those, how much of each gap the co-server's own hooks
     held (``hooks_s``; logs from before it was recorded count 0) and how much the host's own
     step held (its span less its forward and yield, the hooks in it included), where the host
-    measured its span (``span_s``): the rest passed outside the host's step."""
+    measured its span (``span_s``): the rest passed outside the host's step; and how long the
+    process collected garbage since the step before's record (``gc_s``, where recorded)."""
     pairs = [(b["t_s"] - b["seconds"] - a["t_s"] - b["yielded_s"], b.get("hooks_s", 0.0),
-              _host_s(b)) for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0]
+              _host_s(b), b.get("gc_s")) for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0]
     if not pairs:
         return {"gaps": 0}
-    gaps = np.array([g for g, _, _ in pairs])
+    gaps = np.array([g for g, *_ in pairs])
     long = [{"gap_ms": round(g * 1e3, 1), "hooks_ms": round(h * 1e3, 1)}
             | ({"host_ms": round(s * 1e3, 1), "outside_ms": round((g - s) * 1e3, 1)}
                if s is not None else {})
-            for g, h, s in pairs if g > 0.1]
+            | ({"gc_ms": round(c * 1e3, 1)} if c is not None else {})
+            for g, h, s, c in pairs if g > 0.1]
     return {"gaps": len(gaps), "p50_ms": float(np.median(gaps) * 1e3),
             "p99_ms": float(np.quantile(gaps, 0.99) * 1e3), "max_ms": float(gaps.max() * 1e3),
             "over_100ms": int((gaps > 0.1).sum()),
-            "hooks_p50_ms": float(np.median([h for _, h, _ in pairs]) * 1e3),
+            "hooks_p50_ms": float(np.median([h for _, h, *_ in pairs]) * 1e3),
             "long_gaps_ms": long}
 
 
@@ -206,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   + ", ".join(f"{x['hooks_ms']:.0f} of {x['gap_ms']:.0f}"
                               + (f" (host {x['host_ms']:.0f}, outside {x['outside_ms']:.0f})"
                                  if "host_ms" in x else "")
+                              + (f" [gc {x['gc_ms']:.0f}]" if "gc_ms" in x else "")
                               for x in g["long_gaps_ms"]) + ")")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -20,7 +20,7 @@ def step_row(step: StepRecord, predicted_s: float | None) -> dict:
     shape = {**asdict(step.shape), "mode": step.shape.mode.value}
     return {"t_s": step.t_s, "seconds": step.seconds, "predicted_s": predicted_s,
             "ft_tokens": step.ft_tokens, "aborted": step.aborted, "yielded_s": step.yielded_s,
-            "hooks_s": step.hooks_s, "span_s": step.span_s,
+            "hooks_s": step.hooks_s, "span_s": step.span_s, "gc_s": step.gc_s,
             "shape": shape}
 
 

@@ -149,7 +149,9 @@ class StepRecord:
     ``span_s``: seconds from the host starting to build the step to this record (its
     scheduling, the yield and the co-server's hooks in it, the forward, sampling and output
     handling), 0 where the host does not measure it: time between two steps that the later one's
-    span leaves out passed outside the host's step, in its loop or other threads and processes)."""
+    span leaves out passed outside the host's step, in its loop or other threads and processes;
+    ``gc_s``: seconds the host's process spent in garbage collection since the step before's
+    record, inside its span or not, 0 on a simulated host)."""
 
     t_s: float
     shape: StepShape
@@ -159,6 +161,7 @@ class StepRecord:
     yielded_s: float = 0.0
     hooks_s: float = 0.0
     span_s: float = 0.0
+    gc_s: float = 0.0
 
 
 @runtime_checkable

@@ -34,6 +34,7 @@ from deltaserve.core.requests import RequestOutput, SamplingParams, TokenCallbac
 from deltaserve.core.shape import StepShape
 from deltaserve.core.tokenizer import Tokenizer
 from deltaserve.hosts.config import HostConfig
+from deltaserve.hosts.gc_pauses import GcClock
 from deltaserve.train.attach import (
     Dataset,
     LatencySource,
@@ -89,6 +90,8 @@ class BaseHost(TrainingHost, ABC):
         host passes its simulated clock)."""
         self._tokenizer = tokenizer
         self._clock = clock
+        # garbage collection is real time: a host on a simulated clock records none
+        self._gc = GcClock() if clock is time.monotonic else None
         self.max_model_len = max_model_len
         # output tokens, finished requests and SLO misses (a server's /metrics reads them)
         self.request_counters = RequestCounters()
@@ -294,6 +297,7 @@ class BaseHost(TrainingHost, ABC):
                 span_s: float = 0.0) -> None:
         """A step ran: refit an inference-only latency model, tell the listeners. ``span_s``:
         the step's :attr:`StepRecord.span_s` where the host measures it."""
+        gc_s = self._gc.take() if self._gc is not None else 0.0
         if self.coserver is None and self.latency_model is not None and not shape.is_empty:
             self.latency_model.observe(shape, seconds)
         if self._step_listeners:
@@ -303,7 +307,7 @@ class BaseHost(TrainingHost, ABC):
             yielded_s, hooks_s = ((co.step_yield_s, co.step_hooks_s) if isinstance(co, CoServer)
                                   else (0.0, 0.0))
             rec = StepRecord(self._clock(), shape, seconds, ft_tokens, aborted, yielded_s, hooks_s,
-                             span_s)
+                             span_s, gc_s)
             for listener in self._step_listeners:
                 listener(rec)
 

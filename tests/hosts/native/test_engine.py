@@ -1,5 +1,6 @@
 """The embedded engine against transformers' generation (greedy, adapters via PEFT)."""
 
+import gc
 import itertools
 import time
 
@@ -158,6 +159,21 @@ def test_step_from_two_threads_at_once_is_refused(tiny):
         eng.step()
     release.set()
     t.join()
+
+
+def test_a_collection_between_steps_is_in_the_next_steps_record(tiny):
+    """``StepRecord.gc_s``: a full collection between two steps is in the second's record."""
+    eng = engine(tiny)
+    records = []
+    eng.subscribe_steps(records.append)
+    for p in prompts(2, seed=5):
+        eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert eng.step()
+    t0 = time.perf_counter()
+    gc.collect()
+    outside_s = time.perf_counter() - t0
+    assert eng.step()
+    assert records[-1].gc_s >= 0.5 * outside_s > 0
 
 
 def test_each_step_records_its_span_and_time_outside_it_is_left_out(tiny):

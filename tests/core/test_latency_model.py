@@ -338,29 +338,6 @@ def test_a_late_mixed_ft_step_prices_the_next_ones_at_its_lateness():
     assert m.predict_upper(mixed) < 1.1 * m.predict(mixed)
 
 
-def test_a_late_prefill_prices_the_next_prefills_at_its_lateness():
-    """Prefills carry a burst's TTFT slack, so they are priced at their own served tail too:
-    once one ran 40 % over, every prefill shape is priced ≥ 1.4× its point estimate, decode
-    and training-only shapes keep their margins, and it ages out after ``tail_window`` on-time
-    prefills."""
-    rng = np.random.default_rng(23)
-    cfg = LatencyModelConfig(level_rate=0.0, tail_window=16)
-    m = fit_from(observations(rng, [p.shape for p in build_plan(LIMITS) for _ in range(3)],
-                              noise=0.0), cfg)
-    prefill, other = StepShape((200,), num_decode=4, kv_tokens=600), StepShape((96, 32))
-    decode, alone = StepShape(num_decode=8, kv_tokens=900), StepShape(ft_lens=(64,))
-    uppers = {s: m.predict_upper(s) for s in (decode, alone)}
-    fit_margin = m.margin(Equation.MIXED, ExecMode.EAGER)
-    assert fit_margin < 0.05
-    m.observe(prefill, 1.4 * m.predict(prefill))
-    for s in (prefill, other):
-        assert m.predict_upper(s) == pytest.approx(m.predict(s) * 1.4, rel=1e-6)
-    assert {s: m.predict_upper(s) for s in uppers} == uppers
-    for _ in range(16):
-        m.observe(prefill, m.predict(prefill))
-    assert m.predict_upper(other) < 1.1 * m.predict(other)
-
-
 def test_tail_settings_are_checked():
     with pytest.raises(InputError, match="tail_quantile"):
         LatencyModelConfig(tail_quantile=0.0)

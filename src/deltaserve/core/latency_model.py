@@ -43,8 +43,6 @@ from deltaserve.core.nnls import nnls
 from deltaserve.core.shape import ExecMode, StepKind, StepShape, kind_of
 
 _KEYS = tuple((eq, mode) for eq in Equation for mode in ExecMode)
-# kinds priced at least at their served lateness: docs/architecture.md, "Margin"
-TAILED_KINDS = (StepKind.MIXED_FT, StepKind.PREFILL)
 
 
 @dataclass(frozen=True)
@@ -61,8 +59,8 @@ class LatencyModelConfig:
     of similar online steps cannot make the fit forget shapes it has not seen lately.
     ``level_rate``: the weight of each served step in its kind's level (an exponential moving
     average of actual ÷ fitted; 0: no level, predictions are the fit alone).
-    ``tail_quantile`` / ``tail_window``: a step of a kind in :data:`TAILED_KINDS` is priced with
-    at least this quantile of the lateness of its kind's last ``tail_window`` served steps.
+    ``tail_quantile`` / ``tail_window``: a mixed+ft step is priced with at least this quantile
+    of the lateness of the last ``tail_window`` served ones (:class:`LatenessTail`).
     """
 
     window: int = 512
@@ -151,8 +149,8 @@ class LatencyModel:
         self._errors = {m: FeatureRing(self.config.error_window, 1) for m in ExecMode}
         self._levels = StepLevels(self.config.level_rate)
         c = self.config
-        self._tails = {kind: LatenessTail(c.tail_quantile, c.tail_window, c.margin_floor,
-                                          c.margin_cap) for kind in TAILED_KINDS}
+        self._mixed_ft_tail = LatenessTail(c.tail_quantile, c.tail_window, c.margin_floor,
+                                           c.margin_cap)
         self.version = 0  # bumps on every refit or level change: callers cache derived numbers
 
     # ---- data -------------------------------------------------------------------------------
@@ -177,9 +175,8 @@ class LatencyModel:
             if self.is_calibrated else None
         if predicted is not None and math.isfinite(predicted):
             self._errors[shape.mode].push((predicted,), seconds)
-            tail = self._tails.get(kind_of(shape))
-            if tail is not None and predicted > 0:
-                tail.learn(seconds / predicted - 1.0)
+            if kind_of(shape) is StepKind.MIXED_FT and predicted > 0:
+                self._mixed_ft_tail.learn(seconds / predicted - 1.0)
                 self.version += 1
         self._learn_level(shape, seconds, fitted)
         if shape.after_yield:
@@ -199,9 +196,8 @@ class LatencyModel:
             self.version += 1
 
     def _margin_of(self, key: tuple[Equation, ExecMode], kind: StepKind) -> float:
-        """``key``'s fit margin; for a kind in :data:`TAILED_KINDS`, at least the tail of its
-        served steps' lateness."""
-        tail = self._tails[kind].value if kind in self._tails else None
+        """``key``'s fit margin; for a mixed+ft step, at least the served ones' tail."""
+        tail = self._mixed_ft_tail.value if kind is StepKind.MIXED_FT else None
         return self._margin[key] if tail is None else max(self._margin[key], tail)
 
     def level(self, kind: StepKind, mode: ExecMode, after_yield: bool = False) -> float:

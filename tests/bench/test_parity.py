@@ -98,6 +98,8 @@ def test_a_ceiling_below_llmstations_spread_says_no_policy_could_part_the_ranges
     assert ceiling_note(None) == "" and ceiling_note({"systems": {}}) == ""
     doc = repeated(llmstation_ft_range=(95.0, 115.0))
     assert ft_check(doc, tight).why.endswith(note) and ft_check(doc).why.endswith("115.0]")
+    below = repeated(deltaserve=system(90.0, 1.0, 0.9, (85.0, 95.0), (1.0, 1.0), (0.85, 0.95)))
+    assert ft_check(below, tight).why.endswith(note)
     # a margin that is met carries no note
     assert ft_check(repeated(), tight).why == ft_check(repeated()).why
 

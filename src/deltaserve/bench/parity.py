@@ -178,7 +178,8 @@ def ft_check(doc: dict, machine_time: dict | None = None) -> Check:
         return Check(goal, Verdict.NOT_MEASURED,
                      f"no figure or repeat range recorded; {figures}")
     if ds[key] < ll[key]:
-        return Check(goal, Verdict.NOT_MET, f"below llmstation's; {figures}")
+        return Check(goal, Verdict.NOT_MET,
+                     f"below llmstation's; {figures}{ceiling_note(machine_time)}")
     if within:
         return Check(goal, Verdict.NOT_MET,
                      f"within the repeats' range; {figures}{ceiling_note(machine_time)}")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deltaserve.bench.step_log import read_steps, shape_of
+from deltaserve.bench.step_log import host_s, read_steps, shape_of
 from deltaserve.core.latency_terms import TERMS, Equation, equation_of, features
 from deltaserve.core.nnls import nnls
 from deltaserve.core.shape import StepKind, StepShape, kind_of
@@ -143,7 +143,7 @@ def step_gaps(rows: Sequence[dict]) -> dict:
     measured its span (``span_s``): the rest passed outside the host's step; and how long the
     process collected garbage since the step before's record (``gc_s``, where recorded)."""
     pairs = [(b["t_s"] - b["seconds"] - a["t_s"] - b["yielded_s"], b.get("hooks_s", 0.0),
-              _host_s(b), b.get("gc_s")) for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0]
+              host_s(b), b.get("gc_s")) for a, b in pairwise(rows) if b["shape"]["num_decode"] > 0]
     if not pairs:
         return {"gaps": 0}
     gaps = np.array([g for g, *_ in pairs])
@@ -157,13 +157,6 @@ def step_gaps(rows: Sequence[dict]) -> dict:
             "over_100ms": int((gaps > 0.1).sum()),
             "hooks_p50_ms": float(np.median([h for _, h, *_ in pairs]) * 1e3),
             "long_gaps_ms": long}
-
-
-def _host_s(row: dict) -> float | None:
-    """The seconds of a step's span that were neither its forward nor the yield before it
-    (``None`` where the host did not measure its span)."""
-    span_s = row.get("span_s", 0.0)
-    return span_s - row["seconds"] - row["yielded_s"] if span_s > 0 else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

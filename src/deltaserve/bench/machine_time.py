@@ -37,7 +37,6 @@ work folder (``work/steps/NAME.jsonl``, ``work/checkpoints/NAME/train_log.jsonl`
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import statistics
@@ -48,8 +47,9 @@ from pathlib import Path
 import numpy as np
 
 from deltaserve.bench.latency_terms import fitted_costs
-from deltaserve.bench.step_log import read_steps, shape_of
+from deltaserve.bench.step_log import host_s, read_json_lines, read_steps, shape_of
 from deltaserve.core.latency_terms import Equation, equation_of
+from deltaserve.core.shape import StepKind, kind_of
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,7 @@ class RepeatTime:
 
 def read_train_log(path: Path) -> list[dict]:
     """The optimizer steps of a trainer's log (``train_log.jsonl``, gzip where ``.gz``)."""
-    raw = path.read_bytes()
-    text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return [r for r in rows if r.get("event") == "OptimizerStep"]
+    return [r for r in read_json_lines(path) if r.get("event") == "OptimizerStep"]
 
 
 def _overlap(start_s: float, end_s: float, lo_s: float, hi_s: float) -> float:
@@ -91,19 +88,18 @@ def repeat_time(steps: Sequence[dict], train: Sequence[dict], window_s: float) -
     inside = [r for r in steps if r["t_s"] <= t1]
     inf_s = sum(r["seconds"] for r in inside if not r["ft_tokens"])
     ft_s = sum(r["seconds"] for r in inside if r["ft_tokens"])
-    host_s = sum(max(0.0, r.get("span_s", 0.0) - r["seconds"] - r["yielded_s"])
-                 for r in inside if r.get("span_s", 0.0) > 0)
+    own_s = sum(max(0.0, host_s(r) or 0.0) for r in inside)
     bwd_s = bwd_tokens = 0.0
     for job in train:
         share = _overlap(job["at_s"] - job["wall_s"], job["at_s"], t0, t1)
         bwd_s += share * (job["wall_s"] - job["paused_s"])
         bwd_tokens += share * job["num_tokens"]
-    alone = [r for r in inside if r["ft_tokens"] and not r["shape"]["prefill_lens"]
-             and not r["shape"]["num_decode"] and not r["aborted"]]
+    alone = [r for r in inside
+             if not r["aborted"] and kind_of(shape_of(r)) is StepKind.FT_ONLY]
     alone_s = sum(r["seconds"] for r in alone)
     return RepeatTime(
-        window_s=window_s, inference_step_s=inf_s, ft_step_s=ft_s, host_s=host_s,
-        backward_s=bwd_s, unused_s=window_s - inf_s - ft_s - host_s - bwd_s,
+        window_s=window_s, inference_step_s=inf_s, ft_step_s=ft_s, host_s=own_s,
+        backward_s=bwd_s, unused_s=window_s - inf_s - ft_s - own_s - bwd_s,
         ft_tokens_forwarded=sum(r["ft_tokens"] for r in inside), backward_tokens=bwd_tokens,
         ft_only_tokens_per_s=sum(r["ft_tokens"] for r in alone) / alone_s if alone_s else None,
         backward_tokens_per_s=bwd_tokens / bwd_s if bwd_s > 0 else None)

@@ -42,8 +42,19 @@ def write_steps(path: Path, steps: Sequence[StepRecord],
     return path
 
 
-def read_steps(path: Path) -> list[dict]:
-    """The rows of a step log (gzip-compressed where its name ends in ``.gz``, as committed)."""
+def read_json_lines(path: Path) -> list[dict]:
+    """The rows of a JSON-lines log (gzip-compressed where its name ends in ``.gz``, as
+    committed): a step log, or a trainer's ``train_log.jsonl``."""
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" \
         else path.read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+read_steps = read_json_lines  # the rows of a step log
+
+
+def host_s(row: Mapping) -> float | None:
+    """The seconds of a step's span that were neither its forward nor the yield before it
+    (``None`` where the host did not measure its span)."""
+    span_s = row.get("span_s", 0.0)
+    return span_s - row["seconds"] - row["yielded_s"] if span_s > 0 else None

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from array import array
+from itertools import pairwise
 
 import pytest
 
@@ -66,6 +67,11 @@ def test_outputs_identical_with_and_without_coserving(host, latency):
         finish_epoch(host, co)
         assert any(r.ft_tokens and r.shape.has_inference for r in log.records)  # mixed steps
         assert any(r.ft_tokens and not r.shape.has_inference for r in log.records)
+        # each step's span (the entry of get_next_batch_to_run to its record after the output
+        # handling) holds its yield and forward, inside the time since the step before
+        # (clocks: perf_counter and monotonic, 1 ms apart at most)
+        assert all(r.span_s >= r.seconds + r.yielded_s > 0 for r in log.records)
+        assert all(b.span_s <= b.t_s - a.t_s + 1e-3 for a, b in pairwise(log.records))
         assert co.stats().ft_tokens_committed > 0 and co.stats().optimizer_steps > 0
         assert not host.scheduler.deltaserve_hidden.ids  # every hidden request retired
     finally:

@@ -14,7 +14,11 @@ this class (``HookRegistry`` ``REPLACE``). Per step, through overrides of ``Sche
    input of the training rows, ask ``should_abort`` at every layer boundary), the step timed,
    and exactly one ``co.observe(StepReport(...))``: ``aborted`` unless every row ran whole.
    A plan whose step SGLang did not run at all is observed as an empty, aborted step.
-3. ``handle_generate_request``: a client's arrival time, and ``co.on_arrival()``.
+3. ``process_batch_result``: the step's tokens stamped on the client clock, then the step's
+   record, its span timed from the entry of ``get_next_batch_to_run`` (SGLang's scheduling, the
+   yield, the forward and the output handling; what SGLang's loop does outside these calls is
+   time between the spans).
+4. ``handle_generate_request``: a client's arrival time, and ``co.on_arrival()``.
 
 Hidden requests never reach a client: ``get_output_streamer_class`` returns a streamer that
 drops them, and ``get_prefill_adder_class`` an adder that never chunks a training request (a
@@ -49,8 +53,9 @@ from deltaserve.hosts.sglang.view import ClientClock, batch_shape, proposed_view
 
 logger = logging.getLogger("deltaserve.sglang")
 
-# (shape that ran, seconds, fine-tuning tokens, aborted) of every executed step
-StepListener = Callable[[StepShape, float, int, bool], None]
+# (shape that ran, seconds, fine-tuning tokens, aborted, span seconds: StepRecord.span_s) of
+# every executed step
+StepListener = Callable[[StepShape, float, int, bool, float], None]
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,16 @@ class _Planned:
     co: CoServingHooks
     step: TrainingStep
     rids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """An executed step on its way to its record after SGLang handled its output."""
+
+    shape: StepShape
+    seconds: float
+    ft_tokens: int
+    aborted: bool
 
 
 def _adder_class(whole: set[str]) -> type[PrefillAdder]:
@@ -99,6 +114,8 @@ class CoServingScheduler(Scheduler):
         # set on a client arrival: ends a yield to the backward early
         self.deltaserve_wake = threading.Event()
         self._planned: _Planned | None = None
+        self._ran: _Ran | None = None
+        self._span_t0 = 0.0  # time.perf_counter() at the entry of the step being built
         logger.info("DeltaServe: SGLang runs DeltaServe's scheduler in pid %d (%d decoder "
                     "layers hooked)", os.getpid(), self.deltaserve_hooks.num_layers)
 
@@ -153,6 +170,7 @@ class CoServingScheduler(Scheduler):
 
     # ---- one step ---------------------------------------------------------------------------
     def get_next_batch_to_run(self, running_batch: Any, last_batch: Any) -> Any:
+        self._span_t0 = time.perf_counter()
         co = self.deltaserve_co
         if co is None:
             return super().get_next_batch_to_run(running_batch, last_batch)
@@ -217,9 +235,8 @@ class CoServingScheduler(Scheduler):
         if planned is not None:
             layers = fwd.layers_run if fwd is not None else None
             planned.co.observe(StepReport(planned.step, shape, seconds, aborted, layers))
-        if self.deltaserve_listener is not None:
-            ft = rows.num_tokens if whole and rows is not None else 0
-            self.deltaserve_listener(shape, seconds, ft, aborted)
+        ft = rows.num_tokens if whole and rows is not None else 0
+        self._ran = _Ran(shape, seconds, ft, aborted)
 
     def deltaserve_step(self) -> bool:
         """One iteration of SGLang's normal event loop without receiving from its sockets
@@ -251,6 +268,13 @@ class CoServingScheduler(Scheduler):
             or any(not r.finished() for r in reqs)
 
     def process_batch_result(self, batch: Any, result: Any) -> Any:
-        out = super().process_batch_result(batch, result)
-        self.deltaserve_clock.stepped(batch.reqs, time.monotonic())
+        try:
+            out = super().process_batch_result(batch, result)
+            self.deltaserve_clock.stepped(batch.reqs, time.monotonic())
+        finally:
+            ran, self._ran = self._ran, None
+            if ran is not None and self.deltaserve_listener is not None:
+                span_s = time.perf_counter() - self._span_t0
+                self.deltaserve_listener(ran.shape, ran.seconds, ran.ft_tokens, ran.aborted,
+                                         span_s)
         return out

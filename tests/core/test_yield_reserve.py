@@ -83,3 +83,32 @@ def test_non_finite_lateness_is_ignored():
 def test_bad_config_names_the_field(field, kwargs):
     with pytest.raises(InputError, match=field):
         YieldReserveConfig(**kwargs)
+
+
+def settled(started_s):
+    """The lateness a step due at 1.0 and ended at 1.2 counts, its next step starting at
+    ``started_s`` (``None``: idle, or nothing decoding)."""
+    r = YieldReserve(YieldReserveConfig(quantile=1.0, window=4, min_steps=1))
+    r.step_ended(due_s=1.0, ended_s=1.2)
+    assert r.reserve_s(0.0) == math.inf  # nothing settled yet
+    r.next_step(started_s)
+    return r.reserve_s(0.0)
+
+
+def test_a_step_counts_late_until_the_next_step_that_follows_it():
+    # the host's 0.3 s between the step's end and the next step's view are the step's
+    assert settled(1.5) == pytest.approx(0.5)
+    # idle in between, or no decode waiting: only to its own end
+    assert settled(None) == pytest.approx(0.2)
+    # a clock read before the step ended cannot shorten it
+    assert settled(1.1) == pytest.approx(0.2)
+
+
+def test_an_unsettled_step_counts_to_its_end_when_the_next_one_ends():
+    r = YieldReserve(YieldReserveConfig(quantile=1.0, window=4, min_steps=1))
+    r.step_ended(due_s=1.0, ended_s=1.2)
+    r.step_ended(due_s=2.0, ended_s=2.05)  # the host never built a view in between
+    r.next_step(9.0)
+    assert sorted(r._late_s) == pytest.approx([0.2, 7.0])
+    r.next_step(20.0)  # settled once: nothing pending
+    assert len(r._late_s) == 2

@@ -144,6 +144,7 @@ def test_a_yield_that_overran_counts_against_the_step_after_it():
     co = coserver(quantile=1.0)
     for _ in range(4):
         run_step(co, 0.0)
+    co.yield_budget_s(view())  # priced before the yield, as plan_after_yield does
     co._clock.now_s = 1.0
     co.yield_to_backward(0.05, threading.Event())
     run_step(co, 0.0, planned_at_s=1.07)  # the host got the machine back 20 ms late
@@ -180,6 +181,7 @@ def test_admission_after_a_yield_keeps_the_yields_reserve():
     co = coserver(quantile=1.0)
     for _ in range(4):
         run_step(co, 0.010)
+    co.yield_budget_s(view())
     co.yield_to_backward(0.05, threading.Event())
     run_step(co, 0.0, planned_at_s=0.03)  # the step the yield came before (woken early)
     run_step(co, 0.0)  # a step with no yield before it
@@ -239,3 +241,27 @@ def test_steps_after_a_yield_are_learned_and_priced_at_their_own_level():
     assert co.latency.predict(after) > 1.6 * no_yield_s
     step = co.plan(view())  # no yield before this one
     assert not step.plan.shape.after_yield
+
+
+def test_the_hosts_time_before_its_next_step_counts_where_decodes_wait_for_it():
+    co = coserver(quantile=1.0)
+    for _ in range(5):
+        run_step(co, 0.0)
+    co._clock.now_s += 0.030  # the last on time; the host then took 30 ms to its next view
+    slack = co.scheduler.yield_budget_s(view())
+    assert co.yield_budget_s(view()) == pytest.approx(slack - 0.030)
+
+
+@pytest.mark.parametrize("between", ["idle", "nothing decoding"])
+def test_time_after_a_step_is_not_its_own_where_the_host_idled_or_nothing_decodes(between):
+    co = coserver(quantile=1.0)
+    for _ in range(4):
+        run_step(co, 0.0)
+    run_step(co, 0.004)
+    co._clock.now_s += 5.0
+    if between == "idle":
+        co.idle(0.0)
+    else:
+        co.plan(SchedulingView(StepShape((8,)), now_s=0.0))
+    slack = co.scheduler.yield_budget_s(view())
+    assert co.yield_budget_s(view()) == pytest.approx(slack - 0.004)

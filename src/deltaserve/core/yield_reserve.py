@@ -16,6 +16,13 @@ them runs late, so a per-step quantile such as the p99 leaves most long requests
 (a run with the p99 still had requests miss by a few percent). It yields nothing until it has
 seen enough steps to know how late they run.
 
+A step is late until the host can start the next one, not only until its forward returns: a
+decode's token gap spans the host's work between steps too (its output handling, its loop, its
+next scheduling pass; on SGLang as long as the yields themselves in a burst, see
+``docs/results.md``). So where the next step's view has decodes in flight, and the engine
+therefore starts it at once, a step counts as late as that view's time; where it has none, or
+the host went idle in between, the step counts to its own end (the time since was no step's).
+
 The window's latest step is only the latest *seen*: the next one may run later still, and one
 such step fails every request decoding through it. So a yield spends only ``spend_fraction`` of
 the slack the reserve leaves, keeping the rest for lateness the window has not seen yet.
@@ -61,6 +68,7 @@ class YieldReserve:
         self._late_s: collections.deque[float] = collections.deque(maxlen=self.config.window)
         self._cached: tuple[int, float] = (-1, 0.0)  # (observations, quantile) of the last call
         self._seen = 0
+        self._pending: tuple[float, float] | None = None  # (due_s, ended_s) of the last step
 
     def observe(self, late_s: float) -> None:
         """An inference step ended ``late_s`` seconds after its planning time plus its
@@ -68,6 +76,22 @@ class YieldReserve:
         if math.isfinite(late_s):
             self._late_s.append(late_s)
             self._seen += 1
+
+    def step_ended(self, due_s: float, ended_s: float) -> None:
+        """An inference step was due to end at ``due_s`` (its planning time plus its
+        margin-inflated prediction) and ended at ``ended_s``; how late it counts is settled by
+        :meth:`next_step`."""
+        self.next_step(None)  # a step before it that nothing settled counts to its own end
+        self._pending = (due_s, ended_s)
+
+    def next_step(self, started_s: float | None) -> None:
+        """The host built its next step's view at ``started_s`` with decodes in flight
+        (``None``: it went idle, or nothing decodes): the step before counts as late as the
+        later of its end and ``started_s``."""
+        if self._pending is None:
+            return
+        (due_s, ended_s), self._pending = self._pending, None
+        self.observe((ended_s if started_s is None else max(ended_s, started_s)) - due_s)
 
     def reserve_s(self, floor_s: float) -> float:
         """Seconds a yield leaves unspent (``inf`` until ``min_steps`` steps were seen)."""

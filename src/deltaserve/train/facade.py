@@ -129,6 +129,7 @@ class CoServer:
         return step
 
     def _plan(self, view: SchedulingView) -> TrainingStep:
+        self._next_step(view)
         # a step's time runs from its planning, or from when the yield before it was due to
         # end if the host got the machine back later (the yield overran, the poll after it)
         self._planned_at_s, self._due_s = min(self._clock(), self._due_s), math.inf
@@ -185,7 +186,14 @@ class CoServer:
         self._abort.clear()
         t.maybe_launch()
         if upper_s is not None:
-            self._reserve.observe(self._clock() - self._planned_at_s - upper_s)
+            self._reserve.step_ended(self._planned_at_s + upper_s, self._clock())
+
+    def _next_step(self, view: SchedulingView) -> None:
+        """The host's next step starts from ``view`` (now, before any yield): the step before
+        counts as late as now where decodes are in flight (the engine starts at once, so the
+        time since the step's end was the host's, between its steps)."""
+        decoding = view.oldest_decode_token_s is not None
+        self._reserve.next_step(self._clock() if decoding else None)
 
     def on_arrival(self) -> None:
         self._abort.set()
@@ -197,10 +205,12 @@ class CoServer:
                 and self.latency.is_calibrated and self.book.can_admit())
 
     def idle(self, timeout_s: float) -> None:
+        self._reserve.next_step(None)
         self.trainer.release_backward()
         self.trainer.poll(timeout_s)
 
     def yield_budget_s(self, view: SchedulingView) -> float:
+        self._next_step(view)
         b, t = self.config.backward, self.trainer
         if not (t.backward_exclusive and b.yield_to_backward and t.backward_busy):
             return 0.0
@@ -223,7 +233,8 @@ class CoServer:
         """The margin-inflated prediction of an inference step that ran whole, before the
         latency model learns from it. Its lateness, what the yield reserve learns from, is the
         time from its start (see :meth:`plan`) to the end of :meth:`observe` (the wait for the
-        backward to stop, the forward, this bookkeeping), less this. ``None`` where the host
+        backward to stop, the forward, this bookkeeping), or to the host's next step where
+        decodes are in flight (:meth:`_next_step`), less this. ``None`` where the host
         never yields (the reserve is not needed, and steps pay for no extra prediction)."""
         b, t = self.config.backward, self.trainer
         if not (t.backward_exclusive and b.yield_to_backward):

@@ -36,6 +36,8 @@ class Grant:
         self._waiting_s = ctx.Value("d", 0.0, lock=False)
         # the wake-up pipe: the waiter reads, the host writes (one byte per set)
         self._wake_r, self._wake_w = ctx.Pipe(duplex=False)
+        # only the process that built the grant (the host) writes: non-blocking once, here
+        os.set_blocking(self._wake_w.fileno(), False)
 
     @property
     def waiting_s(self) -> float:
@@ -53,7 +55,6 @@ class Grant:
         self._until_s.value = until_s  # before the flag: a reader never sees a stale deadline
         self._flag.value = 1
         fd = self._wake_w.fileno()
-        os.set_blocking(fd, False)  # per call: the descriptor is the process's own after spawn
         # a full pipe already holds a wake-up (the host keeps the read end open: no EPIPE)
         with contextlib.suppress(BlockingIOError, BrokenPipeError):
             os.write(fd, b"\0")
@@ -84,7 +85,7 @@ class Grant:
 
     def _drain(self) -> None:
         fd = self._wake_r.fileno()
-        os.set_blocking(fd, False)
+        os.set_blocking(fd, False)  # in the waiter's process: its descriptor came through spawn
         with contextlib.suppress(BlockingIOError):
             while os.read(fd, 4096):
                 pass

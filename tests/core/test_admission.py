@@ -22,6 +22,7 @@ from deltaserve.core import (
     WaitingRequest,
 )
 from deltaserve.core.latency_model import LatencyModelConfig, fit_from
+from deltaserve.core.slo import Lookahead
 
 # A model fitted exactly (no noise, zero margin): T = 1e-6 Σn² + 1e-3 (T_in+B_d) + 2e-3 T_ft + c
 ALPHA, BETA, GAMMA, C = 1e-6, 1e-3, 2e-3, 0.010
@@ -147,13 +148,29 @@ def test_phase_separated_host():
     # every step the deferred decode still waits through may end late: one prefill step of
     # at most 2048 tokens for 700 queued tokens, and the decode step, each keep the lateness back
     late_s = 0.002
-    assert sched.budget(v, late_s_per_step=late_s).tpot_slack_s == pytest.approx(
+    assert sched.budget(v, ahead=Lookahead(late_s)).tpot_slack_s == pytest.approx(
         0.1 - 0.005 - exact(deferred) - 700 * rate - 1 * late_s - 1 * late_s)
     many = (*queued, WaitingRequest(99.99, 5000))
     v = view(StepShape((50,)), oldest_decode_token_s=99.995, deferred_decode=deferred,
              waiting=many)
-    assert sched.budget(v, late_s_per_step=late_s).tpot_slack_s == pytest.approx(
+    assert sched.budget(v, ahead=Lookahead(late_s)).tpot_slack_s == pytest.approx(
         0.1 - 0.005 - exact(deferred) - 5000 * rate - 3 * late_s - 1 * late_s)
+    # prompts arriving at 20 tokens/s take rate * 20 of the host's time until that decode step
+    # runs, each before it: that share of what the objective leaves is kept back
+    rho = rate * 20
+    assert sched.budget(v, ahead=Lookahead(0.0, 20.0)).tpot_slack_s == pytest.approx(
+        (0.1 - 0.005) * (1 - rho) - exact(deferred) - 5000 * rate)
+    # arrivals as fast as the host prefills leave no slack, and no admission
+    flood = Lookahead(0.0, 2.0 / rate)
+    assert sched.budget(v, ahead=flood).tpot_slack_s < 0
+    assert sched.plan(v, ahead=flood).skip is Skip.BUDGET_EXHAUSTED
+
+
+def test_arrivals_do_not_touch_a_mixed_host():
+    # a mixed-batching host runs its decodes in every step: arrivals delay no decode step
+    sched, _, _ = make()
+    v = view(StepShape((50,), num_decode=4), oldest_decode_token_s=99.95)
+    assert sched.budget(v, ahead=Lookahead(0.0, 1e6)) == sched.budget(v)
 
 
 @pytest.mark.parametrize("setup,skip", [

@@ -2,6 +2,7 @@
 admission scheduler's slack, with a stand-in trainer (no backward process)."""
 
 import copy
+import dataclasses
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -10,9 +11,10 @@ import pytest
 
 from deltaserve.core import SchedulingView, StepShape
 from deltaserve.core.admission import AdmissionPlan, AdmissionScheduler
+from deltaserve.core.calibration import Batching
 from deltaserve.core.contract import StepReport, TrainingRows
 from deltaserve.core.data import TrainingSample
-from deltaserve.core.slo import WaitingRequest
+from deltaserve.core.slo import Lookahead, WaitingRequest
 from deltaserve.core.yield_reserve import YieldReserveConfig
 from deltaserve.train.config import BackwardConfig, CoServeConfig, GrantPolicy
 from deltaserve.train.facade import CoServer
@@ -90,7 +92,7 @@ class RecordingScheduler(AdmissionScheduler):
         return super().plan(view, **kwargs)
 
 
-def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
+def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0, limits=LIMITS):
     # every slack the reserve leaves is spent: these tests check the reserve's arithmetic
     reserve = YieldReserveConfig(quantile=quantile, window=64, min_steps=min_steps,
                                  spend_fraction=1.0)
@@ -98,7 +100,7 @@ def coserver(quantile=1.0, min_steps=4, max_yield_s=10.0):
         grant_policy=GrantPolicy.EXCLUSIVE, threads=1, max_yield_s=max_yield_s,
         yield_reserve=reserve))
     samples = [TrainingSample(0, (1, 2, 3), (1, 2, 3))]
-    return CoServer(config, LIMITS, samples, StandInTrainer,
+    return CoServer(config, limits, samples, StandInTrainer,
                         latency_model=copy.deepcopy(MODEL),  # it learns from the steps
                         scheduler_cls=RecordingScheduler, clock=Clock())
 
@@ -265,3 +267,25 @@ def test_time_after_a_step_is_not_its_own_where_the_host_idled_or_nothing_decode
         co.plan(SchedulingView(StepShape((8,)), now_s=0.0))
     slack = co.scheduler.yield_budget_s(view())
     assert co.yield_budget_s(view()) == pytest.approx(slack - 0.004)
+
+
+def test_prompts_seen_arriving_keep_room_in_a_prefill_first_hosts_decode_gap():
+    """On a phase-separated host the decodes a prefill step defers also wait for prompts that
+    arrive before their step runs: the prompt tokens the views showed arriving within the last
+    TPOT objective are priced in (the scheduler's closed form), and forgotten after it."""
+    co = coserver(quantile=1.0, limits=dataclasses.replace(
+        LIMITS, batching=Batching.PHASE_SEPARATED))
+    for _ in range(4):
+        run_step(co, 0.005)  # decode steps, no prompt queued
+
+    def prefill(now_s: float) -> SchedulingView:  # 4 prompt tokens in the step, 6 queued
+        return SchedulingView(StepShape((4,)), now_s=now_s, waiting=(WaitingRequest(now_s, 6),),
+                              oldest_decode_token_s=now_s - 0.01, deferred_decode=DECODE)
+
+    sched = co.scheduler
+    seen = sched.yield_budget_s(prefill(0.0), ahead=Lookahead(0.005, 10 / SLO.tpot_s)) - 0.005
+    blind = sched.yield_budget_s(prefill(0.0), ahead=Lookahead(0.005)) - 0.005
+    assert 0 < seen < blind - 0.01
+    assert co.yield_budget_s(prefill(0.0)) == pytest.approx(seen)
+    assert co.yield_budget_s(prefill(0.0)) == pytest.approx(seen)  # seen again: none new
+    assert co.yield_budget_s(prefill(SLO.tpot_s)) == pytest.approx(blind)  # a window later

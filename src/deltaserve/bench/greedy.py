@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 from deltaserve.core.admission import AdmissionPlan, AdmissionScheduler, SchedulingView, Skip
+from deltaserve.core.slo import NO_LOOKAHEAD, Lookahead
 
 
 class GreedyScheduler(AdmissionScheduler):
@@ -32,8 +33,8 @@ class GreedyScheduler(AdmissionScheduler):
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
              batch_room_tokens: int | None = None, reserve_s: float = 0.0,
-             late_s_per_step: float = 0.0) -> AdmissionPlan:
-        # blind to Δ, and so to the reserve a yield kept (reserve_s, late_s_per_step)
+             ahead: Lookahead = NO_LOOKAHEAD) -> AdmissionPlan:
+        # blind to Δ, and so to the reserve a yield kept (reserve_s, ahead)
         proposed = view.proposed
         skip = self._gate(view, backward_running, batch_room_tokens)
         if skip is not None:
@@ -60,5 +61,5 @@ class GreedyScheduler(AdmissionScheduler):
 class GreedyFixedYieldScheduler(GreedyScheduler):
     """:class:`GreedyScheduler` whose yields are blind to Δ too: the longest one allowed."""
 
-    def yield_budget_s(self, view: SchedulingView, *, late_s_per_step: float = 0.0) -> float:
+    def yield_budget_s(self, view: SchedulingView, *, ahead: Lookahead = NO_LOOKAHEAD) -> float:
         return math.inf  # the co-server caps it at max_yield_s

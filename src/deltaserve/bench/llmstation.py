@@ -17,6 +17,7 @@ import math
 
 from deltaserve.core.admission import AdmissionPlan, AdmissionScheduler, SchedulingView, Skip
 from deltaserve.core.shape import StepShape
+from deltaserve.core.slo import NO_LOOKAHEAD, Lookahead
 
 BUCKET_TOKENS = 32  # fine-tuning lengths are bucketed in the cache key
 PROFILE_KV_PER_DECODE = 256  # the context the profile was taken at; the key ignores the real one
@@ -42,7 +43,7 @@ class LLMStationScheduler(AdmissionScheduler):
                           ft_lens=(key[1],) if key[1] else ())
         return self.model.predict(shape)
 
-    def yield_budget_s(self, view: SchedulingView, *, late_s_per_step: float = 0.0) -> float:
+    def yield_budget_s(self, view: SchedulingView, *, ahead: Lookahead = NO_LOOKAHEAD) -> float:
         """Backward tasklets run beside decode iterations while the decode objective allows,
         priced by the same lookup; queued requests' TTFT is not considered."""
         p = view.proposed
@@ -57,9 +58,9 @@ class LLMStationScheduler(AdmissionScheduler):
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
              batch_room_tokens: int | None = None, reserve_s: float = 0.0,
-             late_s_per_step: float = 0.0) -> AdmissionPlan:
-        # LLMStation prices by its own lookup: DeltaServe's yield reserve (reserve_s,
-        # late_s_per_step) plays no part
+             ahead: Lookahead = NO_LOOKAHEAD) -> AdmissionPlan:
+        # LLMStation prices by its own lookup: DeltaServe's yield reserve and lookahead
+        # (reserve_s, ahead) play no part
         proposed = view.proposed
         skip = self._precheck(view, backward_running)
         if skip is None and proposed.prefill_lens:

@@ -25,7 +25,15 @@ from deltaserve.core.errors import coerce_enum, require
 from deltaserve.core.latency_model import FtPricer, LatencyModel
 from deltaserve.core.pool import SamplePool
 from deltaserve.core.shape import StepShape
-from deltaserve.core.slo import SLOConfig, StepBudget, WaitingRequest, tpot_slack_s, ttft_slack_s
+from deltaserve.core.slo import (
+    NO_LOOKAHEAD,
+    Lookahead,
+    SLOConfig,
+    StepBudget,
+    WaitingRequest,
+    tpot_slack_s,
+    ttft_slack_s,
+)
 
 
 class AdmissionMode(StrEnum):
@@ -90,6 +98,13 @@ class SchedulingView:
     oldest_decode_token_s: float | None = None
     deferred_decode: StepShape | None = None
 
+    @property
+    def queued_prompt_tokens(self) -> int:
+        """Client prompt tokens not yet processed: those ``proposed`` takes and those after it
+        (``tokens_after_step`` counts every request ahead, so the last waiting one holds all)."""
+        after = max((w.tokens_after_step for w in self.waiting), default=0)
+        return after + sum(self.proposed.prefill_lens)
+
 
 class AdmittedSample(NamedTuple):
     """One admitted sample and its buffer rows (a NamedTuple for the same reason as RowSpan)."""
@@ -149,18 +164,17 @@ class AdmissionScheduler:
         """A step ran. Algorithm 1 learns through the latency model; other policies (the
         LLMStation baseline's latency cache) override this."""
 
-    def yield_budget_s(self, view: SchedulingView, *, late_s_per_step: float = 0.0) -> float:
+    def yield_budget_s(self, view: SchedulingView, *, ahead: Lookahead = NO_LOOKAHEAD) -> float:
         """Seconds the host could pause before running ``view.proposed`` and still meet every
         request's SLO: Δ (only ``tpot_slack_spend_fraction`` of the TPOT slack, as admission
         counts it: :meth:`spendable_delta_s`) less the step's margin-inflated prediction. Only
         ``full`` mode spends slack on training; ``temp`` trains in idle time alone.
-        ``late_s_per_step``: see :meth:`budget`."""
+        ``ahead``: see :meth:`budget`."""
         if self.config.mode is not AdmissionMode.FULL or not self.model.is_calibrated:
             return 0.0
         if not view.proposed.has_inference:
             return 0.0
-        return (self.spendable_delta_s(self.budget(view, late_s_per_step=late_s_per_step),
-                                       view.proposed)
+        return (self.spendable_delta_s(self.budget(view, ahead=ahead), view.proposed)
                 - self.model.predict_upper(view.proposed))
 
     def spendable_delta_s(self, budget: StepBudget, proposed: StepShape) -> float:
@@ -196,15 +210,17 @@ class AdmissionScheduler:
             self._queue_rate = (key, rate)
         return rate
 
-    def budget(self, view: SchedulingView, *, late_s_per_step: float = 0.0) -> StepBudget:
-        """The step's TTFT and TPOT slack. ``late_s_per_step``: how late recent steps ended
-        past their margin-inflated predictions (the yield reserve's lateness; 0 where the host
-        measures none); a waiting request's TTFT slack keeps it back for every further step it
-        waits through before its first token (:func:`~deltaserve.core.slo.ttft_slack_s`), and
-        on a phase-separated host the TPOT slack keeps it back for every step the deferred
-        decode waits through (the queued prefills and the decode step itself)."""
+    def budget(self, view: SchedulingView, *, ahead: Lookahead = NO_LOOKAHEAD) -> StepBudget:
+        """The step's TTFT and TPOT slack. ``ahead.late_s_per_step``: a waiting request's TTFT
+        slack keeps it back for every further step it waits through before its first token
+        (:func:`~deltaserve.core.slo.ttft_slack_s`), and on a phase-separated host the TPOT
+        slack keeps it back for every step the deferred decode waits through (the queued
+        prefills and the decode step itself). ``ahead.prompt_tokens_per_s``: on such a host,
+        prompts arriving at that rate while the deferred decode waits run before it too, each
+        priced as the queue is; the TPOT slack keeps their share of the time back."""
+        late_s_per_step = ahead.late_s_per_step
         rate = self.queue_s_per_token(view.proposed)
-        deferred = 0.0
+        deferred, arriving = 0.0, 0.0
         if view.deferred_decode is not None and self.limits.batching is Batching.PHASE_SEPARATED:
             # a phase-separated host runs every prompt it can start before its next decode
             # step (prefill first): the decodes wait for the whole queue behind this step too,
@@ -215,10 +231,13 @@ class AdmissionScheduler:
             further_steps = -(-queued // self.queue_step_tokens(view.proposed)) + 1
             deferred = (self.model.predict_upper(view.deferred_decode) + rate * queued
                         + late_s_per_step * further_steps)
+            # under a burst prompts kept arriving through the gap a yield was priced against,
+            # and the decodes waited for them too (docs/results.md, SGLang)
+            arriving = rate * ahead.prompt_tokens_per_s
         return StepBudget(
             ttft_slack_s(self.slo, view.now_s, view.waiting, rate, late_s_per_step,
                          self.queue_step_tokens(view.proposed)),
-            tpot_slack_s(self.slo, view.now_s, view.oldest_decode_token_s, deferred),
+            tpot_slack_s(self.slo, view.now_s, view.oldest_decode_token_s, deferred, arriving),
         )
 
     def _gate(self, view: SchedulingView, backward_running: bool,
@@ -241,7 +260,7 @@ class AdmissionScheduler:
 
     def plan(self, view: SchedulingView, *, backward_running: bool = False,
              batch_room_tokens: int | None = None, reserve_s: float = 0.0,
-             late_s_per_step: float = 0.0) -> AdmissionPlan:
+             ahead: Lookahead = NO_LOOKAHEAD) -> AdmissionPlan:
         """Admit samples into ``view.proposed``.
 
         ``backward_running``: the backward process is busy with the previous batch.
@@ -250,14 +269,13 @@ class AdmissionScheduler:
         sample of a batch is forwarded with the adapter the backward will differentiate.
         ``reserve_s``: seconds of Δ the step must leave unspent (after a yield to the backward,
         the reserve the yield kept for the step's lateness: :mod:`deltaserve.core.yield_reserve`).
-        ``late_s_per_step``: kept back for each later step a waiting request waits through
-        (:meth:`budget`).
+        ``ahead``: what the steps ahead keep back (:meth:`budget`).
         """
         proposed = view.proposed
         skip = self._gate(view, backward_running, batch_room_tokens)
         if skip is not None:
             return AdmissionPlan((), proposed, None, math.nan, skip)
-        budget = self.budget(view, late_s_per_step=late_s_per_step)
+        budget = self.budget(view, ahead=ahead)
         pricer = self.model.ft_pricer(proposed)
         assert pricer is not None  # _precheck: calibrated
         base_s = pricer.upper_s(0, 0) if proposed.has_inference else 0.0

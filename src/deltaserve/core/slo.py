@@ -7,7 +7,9 @@
   tightest waiting request; in FCFS order that is usually the earliest one.
 * TPOT slack: ``T_tpot − (now − t_last_token)`` of the decode request that has waited longest
   for its next token, less, on a phase-separated host, the decode step this step defers and
-  the prompts queued behind it (prefill first: they all run before that decode step).
+  the prompts queued behind it (prefill first: they all run before that decode step), and
+  with the share of the host's time that prompts arriving meanwhile will take: they run before
+  that decode step too.
 """
 
 from __future__ import annotations
@@ -44,6 +46,23 @@ class WaitingRequest:
 
 
 @dataclass(frozen=True)
+class Lookahead:
+    """What the co-server has measured about the steps ahead of the one being priced.
+
+    ``late_s_per_step``: how late recent steps ended past their margin-inflated predictions
+    (the yield reserve's lateness; 0 where the host measures none), kept back once for every
+    further step a request waits through. ``prompt_tokens_per_s``: prompt tokens that arrived
+    at the host per second over the recent window (:mod:`deltaserve.core.arrival_rate`); on a
+    phase-separated host they run before a waiting decode step."""
+
+    late_s_per_step: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+
+
+NO_LOOKAHEAD = Lookahead()  # nothing measured: no lateness, no arrivals
+
+
+@dataclass(frozen=True)
 class StepBudget:
     """What a step may cost. ``inf`` slack means no request constrains that side."""
 
@@ -74,12 +93,19 @@ def ttft_slack_s(slo: SLOConfig, now_s: float, waiting: Sequence[WaitingRequest]
 
 
 def tpot_slack_s(slo: SLOConfig, now_s: float, oldest_token_s: float | None,
-                 deferred_decode_s: float = 0.0) -> float:
+                 deferred_decode_s: float = 0.0, arriving_share: float = 0.0) -> float:
     """Slack of the decode request that has waited longest for its next token.
 
     ``deferred_decode_s``: on a phase-separated host, the predicted decode step that must still
     run after this one before that request gets its token (0 on a mixed host).
+    ``arriving_share`` (ρ in [0, 1]): on such a host, the share of its time that prompts
+    arriving before that decode step will take, each run before it. If this step and the
+    deferred work take S + D seconds, arrivals add ρ·(S + D + A) = A of prefill, so the decode
+    starts after (S + D)/(1 − ρ): S may be at most (T_tpot − waited)·(1 − ρ) − D.
     """
     if oldest_token_s is None:
         return math.inf
-    return slo.tpot_s - (now_s - oldest_token_s) - deferred_decode_s
+    remaining_s = slo.tpot_s - (now_s - oldest_token_s)
+    if remaining_s > 0:  # a gap already past its objective has nothing left to share
+        remaining_s *= 1.0 - min(1.0, max(0.0, arriving_share))
+    return remaining_s - deferred_decode_s

@@ -32,12 +32,14 @@ from deltaserve.core.admission import (
     SchedulingView,
     Skip,
 )
+from deltaserve.core.arrival_rate import PromptArrivals
 from deltaserve.core.calibration import HostLimits
 from deltaserve.core.contract import StepReport, TrainingStep
 from deltaserve.core.data import TrainingSample
 from deltaserve.core.latency_model import LatencyModel
 from deltaserve.core.pool import SamplePool
 from deltaserve.core.shape import StepShape
+from deltaserve.core.slo import Lookahead
 from deltaserve.core.yield_reserve import YieldReserve
 from deltaserve.model.llama import LlamaModel
 from deltaserve.model.lora import AdapterWeights
@@ -71,6 +73,8 @@ class CoServer:
                                        self.latency, self.book.pool, self.book.ledger)
         self._abort = threading.Event()
         self._reserve = YieldReserve(self.config.backward.yield_reserve)
+        # prompts arriving within one TPOT objective: what a decode gap can wait through
+        self._arrivals = PromptArrivals(self.config.slo.tpot_s)
         self._clock = clock
         self._planned_at_s = 0.0  # when the step in flight started: planned, or due after a yield
         self._due_s = math.inf  # when the yield before the next step was due to end
@@ -146,7 +150,7 @@ class CoServer:
         else:
             plan = self.scheduler.plan(view, backward_running=t.backward_busy,
                                        batch_room_tokens=room, reserve_s=reserve_s,
-                                       late_s_per_step=self._late_s_per_step())
+                                       ahead=self._ahead(view))
         if plan.skip is not None:
             self._skips[plan.skip.value] += 1
         if plan.sample_ids:
@@ -164,6 +168,7 @@ class CoServer:
 
     def _observe(self, report: StepReport) -> None:
         t = self.trainer
+        self._arrivals.ran(sum(report.shape.prefill_lens))
         t.after_step()
         plan = report.step.plan
         shape = replace(report.shape, after_yield=plan.shape.after_yield)
@@ -194,6 +199,7 @@ class CoServer:
         time since the step's end was the host's, between its steps)."""
         decoding = view.oldest_decode_token_s is not None
         self._reserve.next_step(self._clock() if decoding else None)
+        self._arrivals.seen(view.now_s, view.queued_prompt_tokens)
 
     def on_arrival(self) -> None:
         self._abort.set()
@@ -215,19 +221,21 @@ class CoServer:
         if not (t.backward_exclusive and b.yield_to_backward and t.backward_busy):
             return 0.0
         # the backward stops at a layer boundary: the reserve is at least two layers
-        slack_s = self.scheduler.yield_budget_s(_after_yield(view),
-                                                late_s_per_step=self._late_s_per_step())
+        slack_s = self.scheduler.yield_budget_s(_after_yield(view), ahead=self._ahead(view))
         return self._reserve.budget_s(slack_s, 2 * t.backward_layer_s, b.max_yield_s)
 
-    def _late_s_per_step(self) -> float:
-        """How late recent inference steps ended past their predictions (the yield reserve's
-        lateness, without the layer-boundary floor that only the step after a yield pays),
-        kept back for each step a waiting request still waits through before its first
-        token; 0 where the host does not yield, or before the reserve has seen enough steps.
-        (A TTFT spans several steps: a burst's queue waited through up to five, each after a
-        yield, and their lateness added up past the TTFT objective; see docs/log.md.)"""
+    def _ahead(self, view: SchedulingView) -> Lookahead:
+        """What the steps ahead of ``view`` keep back. Their lateness: how late recent
+        inference steps ended past their predictions (the yield reserve's lateness, without
+        the layer-boundary floor that only the step after a yield pays), kept back for each
+        step a waiting request still waits through before its first token; 0 where the host
+        does not yield, or before the reserve has seen enough steps. (A TTFT spans several
+        steps: a burst's queue waited through up to five, each after a yield, and their
+        lateness added up past the TTFT objective; see docs/log.md.) And how fast prompts
+        have been arriving, which a phase-separated host's waiting decodes wait through."""
         late_s = self._reserve.reserve_s(0.0)
-        return late_s if math.isfinite(late_s) else 0.0
+        return Lookahead(late_s if math.isfinite(late_s) else 0.0,
+                         self._arrivals.tokens_per_s(view.now_s))
 
     def _upper_s(self, report: StepReport, shape: StepShape) -> float | None:
         """The margin-inflated prediction of an inference step that ran whole, before the

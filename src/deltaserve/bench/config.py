@@ -36,8 +36,11 @@ class BenchConfig:
     system (Algorithm 1 waits; this overlaps them, at one optimizer step of staleness).
 
     SLOs: the pilot (inference-only on the trace, always run first) measures p99 TTFT and p99
-    max-TPOT; the SLO is ``slo_scale`` × each. ``ttft_slo_ms`` / ``tpot_slo_ms`` override a
-    side. ``slo_sweep`` ("1.25,1.5,2,3") runs every system at each scale.
+    max-TPOT; the SLO is ``slo_scale`` × each. ``pilot_repeats``: the pilot runs this many
+    times and each side scales the median of their p99s (one pilot's p99 is one request's
+    worst gap: on one SGLang command it read 2429, 1171 and 1177 ms TPOT in three runs).
+    ``ttft_slo_ms`` / ``tpot_slo_ms`` override a side. ``slo_sweep`` ("1.25,1.5,2,3") runs
+    every system at each scale.
     ``calibration_file``: a saved latency model to use instead of calibrating; ``{threads}``
     in it becomes each host's thread count (a host of 1 thread and one of 2 differ).
     ``out``: the results folder; ``{date}``, ``{host}`` and ``{trace}`` are filled in (the
@@ -94,6 +97,7 @@ class BenchConfig:
     latency_error_min_ms: float = 20.0
     drain_s: float = DRAIN_S
     repeats: int = 1
+    pilot_repeats: int = 1
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -143,6 +147,8 @@ class BenchConfig:
         require(self.heldout >= 0, "heldout", self.heldout, "must be >= 0")
         check_drain(self.drain_s)
         require(self.repeats >= 1, "repeats", self.repeats, "must be >= 1")
+        require(isinstance(self.pilot_repeats, int) and self.pilot_repeats >= 1,
+                "pilot_repeats", self.pilot_repeats, "must be an integer >= 1")
 
     def window_s(self, trace_duration_s: float) -> float:
         """The window every system's fine-tuning is counted in: the trace and one drain."""

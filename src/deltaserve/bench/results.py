@@ -129,6 +129,7 @@ class BenchResults:
             "window_s": self.harvest.window_s,
             "drain_s": self.config.drain_s,
             "repeats": self.config.repeats,
+            "pilot_repeats": self.config.pilot_repeats,
             "trace": {"name": t.name, "source": self.config.trace, "requests": len(t),
                       "duration_s": t.duration_s, "peak_rps": t.peak_rate(),
                       "mean_rps": t.mean_rate, "rate_factor": self.trace.rate_factor,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,27 +81,40 @@ def _announce(cfg: BenchConfig, run: SystemRun, slo: SLOChoice, window: float) -
             for e in run.latency_yields))
 
 
-def _slos(cfg: BenchConfig, pilot: SystemRun) -> dict[float, SLOChoice]:
-    ttft, tpot = M.p99_latencies_ms(pilot.result.records)
-    slos = {s: derive_slo(ttft, tpot, s, cfg.ttft_slo_ms, cfg.tpot_slo_ms)
+def _median_ms(values: list[float | None]) -> float | None:
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
+
+
+def _slos(cfg: BenchConfig, pilots: list[SystemRun]) -> dict[float, SLOChoice]:
+    """Each scale's SLO, from the median over the pilots of each side's p99."""
+    p99s = [M.p99_latencies_ms(p.result.records) for p in pilots]
+    if len(pilots) > 1:
+        log(cfg, "pilots' p99s: " + "; ".join(
+            f"TTFT {t or 0:.0f} ms, max TPOT {g or 0:.0f} ms" for t, g in p99s))
+    ttft, tpot = _median_ms([t for t, _ in p99s]), _median_ms([g for _, g in p99s])
+    slos = {s: derive_slo(ttft, tpot, s, cfg.ttft_slo_ms, cfg.tpot_slo_ms, len(pilots))
             for s in cfg.slo_scales}
-    log(cfg, f"pilot p99: TTFT {ttft or 0:.0f} ms, max TPOT {tpot or 0:.0f} ms; SLO "
+    which = "pilot" if len(pilots) == 1 else f"median of {len(pilots)} pilots'"
+    log(cfg, f"{which} p99: TTFT {ttft or 0:.0f} ms, max TPOT {tpot or 0:.0f} ms; SLO "
              f"{slos[cfg.slo_scale].describe()}")
     return slos
 
 
 def replay_all(inputs: RunInputs, specs: tuple[SystemSpec, ...]) -> Replays:
-    """The pilot once first (the SLO and the idle capacity come from it), then ``repeats``
-    rounds; each round runs every system once at the main scale, inference-only included (its
-    scored row is this second replay, not the pilot), then the SLO-aware systems at the sweep's
-    other scales. Interleaving the rounds spreads slow drifts of the machine over every
-    system alike."""
+    """The pilot first (``pilot_repeats`` times: the SLO comes from their median p99s, the
+    idle capacity from the first), then ``repeats`` rounds; each round runs every system once
+    at the main scale, inference-only included (its scored row is this second replay, not the
+    pilot), then the SLO-aware systems at the sweep's other scales. Interleaving the rounds
+    spreads slow drifts of the machine over every system alike."""
     cfg = inputs.cfg
     # --replicas N > 1: every system, the pilot included, as N replicas of the host
     run_system_ = run_system if cfg.replicas == 1 else run_replicated
-    pilot = run_system_(inputs, specs[0], None, None, label="pilot")
-    slos = _slos(cfg, pilot)
-    reps = Replays(pilot, slos, {}, {s: {} for s in slos})
+    pilots = [run_system_(inputs, specs[0], None, None,
+                          label="pilot" if k == 0 else f"pilot-{k + 1}")
+              for k in range(cfg.pilot_repeats)]
+    slos = _slos(cfg, pilots)
+    reps = Replays(pilots[0], slos, {}, {s: {} for s in slos})
     window = cfg.window_s(inputs.trace.duration_s)
     for k in range(cfg.repeats):
         tag = f" #{k + 1}" if cfg.repeats > 1 else ""

@@ -3,6 +3,7 @@
 The pilot (inference-only on the trace, on the whole machine) measures each request's TTFT and
 longest gap between tokens. The SLO is ``scale`` × the pilot's p99 of each, so it follows the
 host, model and load instead of being a guess; ``--ttft-slo-ms`` / ``--tpot-slo-ms`` fix a side.
+With ``--pilot-repeats N`` the pilot runs N times and its p99 is their median.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ FROM_FLAG = "flag"
 
 @dataclass(frozen=True)
 class SLOChoice:
-    """``ttft_from`` / ``tpot_from``: ``pilot`` (``scale`` × the pilot's p99) or ``flag``
-    (given on the command line)."""
+    """``ttft_from`` / ``tpot_from``: ``pilot`` (``scale`` × the pilot's p99, the median over
+    ``pilots`` of them) or ``flag`` (given on the command line)."""
 
     ttft_ms: float
     tpot_ms: float
@@ -28,6 +29,7 @@ class SLOChoice:
     tpot_from: str
     pilot_ttft_p99_ms: float
     pilot_tpot_p99_ms: float
+    pilots: int = 1
 
     @property
     def config(self) -> SLOConfig:
@@ -36,7 +38,9 @@ class SLOChoice:
     def describe(self) -> str:
         """One sentence: the SLO and its origin."""
         def side(name: str, ms: float, origin: str, p99: float) -> str:
-            how = (f"{self.scale:g} × the pilot's p99 {p99:.0f} ms" if origin == FROM_PILOT
+            whose = "the pilot's p99" if self.pilots == 1 \
+                else f"the median of {self.pilots} pilots' p99s"
+            how = (f"{self.scale:g} × {whose} {p99:.0f} ms" if origin == FROM_PILOT
                    else f"--{name.lower().replace(' ', '-')}-slo-ms")
             return f"{name} {ms:.0f} ms ({how})"
 
@@ -47,8 +51,9 @@ class SLOChoice:
 
 def derive_slo(pilot_ttft_p99_ms: float | None, pilot_tpot_p99_ms: float | None, scale: float,
                ttft_override_ms: float | None = None,
-               tpot_override_ms: float | None = None) -> SLOChoice:
-    """The SLO at ``scale`` × the pilot's p99s, a side overridden where a value is given."""
+               tpot_override_ms: float | None = None, pilots: int = 1) -> SLOChoice:
+    """The SLO at ``scale`` × the pilot's p99s (over ``pilots`` pilots, their medians), a side
+    overridden where a value is given."""
     for name, v, given in (("ttft", pilot_ttft_p99_ms, ttft_override_ms),
                            ("tpot", pilot_tpot_p99_ms, tpot_override_ms)):
         if given is None and (v is None or v <= 0):
@@ -63,4 +68,4 @@ def derive_slo(pilot_ttft_p99_ms: float | None, pilot_tpot_p99_ms: float | None,
         scale,
         FROM_FLAG if ttft_override_ms is not None else FROM_PILOT,
         FROM_FLAG if tpot_override_ms is not None else FROM_PILOT,
-        ttft_p99, tpot_p99)
+        ttft_p99, tpot_p99, pilots)

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from deltaserve.bench.latency_terms import analyse, late_steps, main, step_gaps
+from deltaserve.bench.latency_terms import analyse, late_steps, main, noise_floor, step_gaps
 from deltaserve.bench.step_log import read_steps, shape_of, step_row, write_steps
 from deltaserve.core.contract import StepRecord
 from deltaserve.core.latency_terms import features
@@ -123,3 +123,27 @@ def test_step_gaps_split_a_gap_into_the_hosts_step_and_the_time_outside_it():
     gap = step_gaps(rows)["long_gaps_ms"]
     assert gap == [{"gap_ms": 350.0, "hooks_ms": 0.0, "host_ms": 250.0, "outside_ms": 100.0,
                     "gc_ms": 0.0}]
+
+
+def test_the_noise_floor_is_each_decode_step_against_its_same_shape_neighbours():
+    # seven decode steps of one shape (KV growing 4 a step), the middle one an outlier at 2x,
+    # then a prefill and a decode of another size, which are no one's neighbours
+    def d(i: int) -> StepShape:
+        return StepShape((), 4, 1000 + 4 * i, ())
+
+    times = [0.05, 0.05, 0.05, 0.10, 0.05, 0.05, 0.05]
+    steps = [(d(i), t) for i, t in enumerate(times)] + [(StepShape((30,)), 0.2),
+                                                        (StepShape((), 9, 300, ()), 0.07)]
+    rows = [step_row(StepRecord(float(i), s, t, 0, False), 0.05)
+            for i, (s, t) in enumerate(steps)]
+    # three either side: every one of the seven has >= 3 same-shape neighbours, whose median
+    # is 0.05; only the outlier is off it (by 0.05 of its 0.10); the last step has none
+    floor = noise_floor(rows, min_s=0.01, neighbours=3)
+    assert floor["steps"] == 7
+    assert floor["neighbour_mape"] == pytest.approx(0.5 / 7)
+    assert floor["model_mape"] == pytest.approx(0.5 / 7)  # the prediction is 0.05 throughout
+    # one either side: the ends have a single neighbour (left out); steps 2 and 4 have the
+    # outlier beside them (median 0.075, 0.5 off), and it has two 0.05s (0.5 off)
+    narrow = noise_floor(rows, min_s=0.01, neighbours=1)
+    assert narrow["steps"] == 5 and narrow["neighbour_mape"] == pytest.approx(1.5 / 5)
+    assert noise_floor(rows, min_s=0.2, neighbours=3) == {"steps": 0}

@@ -15,7 +15,10 @@ steps that ran at least ``--late`` times their online prediction are counted, wi
 ran (seconds from the file's first step) and whether a yield preceded them: a term fits a
 trend, not a stall. And the time between steps that no step and no yield accounts for, before
 each step with decodes in flight (a request's TPOT gap spans it, though no latency model
-prices it).
+prices it). And a noise floor: each decode-only step against the median time of its
+neighbours of the same shape (within ``--neighbours`` steps either side: the same decodes,
+their KV within 2 %, the same yield state), the error of a predictor that saw those very
+steps; where it is as large as the model's, no model of the shape can do much better.
 
     python -m deltaserve.bench.latency_terms results/X/work/steps/*.jsonl --out results/X/terms.json
 """
@@ -159,6 +162,35 @@ def step_gaps(rows: Sequence[dict]) -> dict:
             "long_gaps_ms": long}
 
 
+def _same_shape(a: dict, b: dict) -> bool:
+    s, t = a["shape"], b["shape"]
+    return (t["num_decode"] == s["num_decode"] and not t["prefill_lens"] and not t["ft_lens"]
+            and abs(t["kv_tokens"] - s["kv_tokens"]) <= 0.02 * s["kv_tokens"] + 8
+            and bool(t.get("after_yield")) == bool(s.get("after_yield")))
+
+
+def noise_floor(rows: Sequence[dict], min_s: float, neighbours: int) -> dict:
+    """Decode-only steps of at least ``min_s`` with two or more same-shape steps within
+    ``neighbours`` steps either side: the MAPE of those neighbours' median time, and of the
+    step's online prediction, over the same steps."""
+    rows = [r for r in rows if not r["aborted"]]
+    model, floor = [], []
+    for i, r in enumerate(rows):
+        s = r["shape"]
+        if s["prefill_lens"] or s["ft_lens"] or not s["num_decode"] or r["seconds"] < min_s \
+                or not r["predicted_s"]:
+            continue
+        near = [q["seconds"] for q in rows[max(0, i - neighbours):i + neighbours + 1]
+                if q is not r and _same_shape(r, q)]
+        if len(near) >= 2:
+            floor.append(abs(r["seconds"] - float(np.median(near))) / r["seconds"])
+            model.append(abs(r["seconds"] - r["predicted_s"]) / r["seconds"])
+    if not floor:
+        return {"steps": 0}
+    return {"steps": len(floor), "neighbour_mape": float(np.mean(floor)),
+            "model_mape": float(np.mean(model))}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("steps", nargs="+", type=Path, help="step logs (JSON lines)")
@@ -167,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--late", type=float, default=1.6,
                     help="count each file's steps that took this many times their prediction")
+    ap.add_argument("--neighbours", type=int, default=3,
+                    help="the noise floor's same-shape steps, this many either side")
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
     args = ap.parse_args(argv)
     per_file = {p: read_steps(p) for p in args.steps}
@@ -176,7 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                         args.seed),
               "late": {p.name: late_steps(r, args.late, args.min_ms / 1e3)
                        for p, r in per_file.items()},
-              "gaps": {p.name: step_gaps(r) for p, r in per_file.items()}}
+              "gaps": {p.name: step_gaps(r) for p, r in per_file.items()},
+              "floor": {p.name: noise_floor(r, args.min_ms / 1e3, args.neighbours)
+                        for p, r in per_file.items()}}
     for eq, entry in report["equations"].items():
         print(f"equation {eq}: {entry['steps']} steps")
         print("  fitted on every step: " + ", ".join(
@@ -203,6 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  if "host_ms" in x else "")
                               + (f" [gc {x['gc_ms']:.0f}]" if "gc_ms" in x else "")
                               for x in g["long_gaps_ms"]) + ")")
+    for name, f in report["floor"].items():
+        if f["steps"]:
+            print(f"{name}: {f['steps']} decode steps beside same-shape ones: the neighbours' "
+                  f"median {f['neighbour_mape']:.1%} off, the online model {f['model_mape']:.1%}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -3,8 +3,12 @@ attainment, harvest and latency-model error, and each host's check of issue 23's
 
 A document block between ``<!-- hosts-parity: DIR DIR ... -->`` and ``<!-- /hosts-parity -->``
 (each DIR a results folder holding ``results.json`` and, where the run recorded one,
-``COMMAND``; relative to the document's folder; one per host) holds exactly :func:`render` of
-those runs. ``python -m deltaserve.bench.tables --update FILE`` rewrites it.
+``COMMAND``; relative to the document's folder; one or more per host) holds exactly
+:func:`render` of those runs. ``python -m deltaserve.bench.tables --update FILE`` rewrites it.
+A host with several runs (e.g. one with the pipelined systems beside the check command's) is
+checked part by part on the first of its runs, in the block's order, that ran the systems the
+part compares: every part is decided within one run, against that run's greedy or llmstation,
+never across runs.
 
 The goal, on each host at that host's SLO, decided on the medians of N ≥ 3 repeats:
 
@@ -228,6 +232,38 @@ def goal_checks(doc: dict, machine_time: dict | None = None) -> list[Check]:
             ft_check(doc, machine_time), harvest_check(doc)]
 
 
+def _deciding(group: Sequence[HostRun], names: Sequence[str]) -> HostRun:
+    """The first run of one host's ``group`` that ran every system in ``names`` (the first run
+    where none did: its check then says which is missing)."""
+    return next((r for r in group if all(n in r.doc["systems"] for n in names)), group[0])
+
+
+def host_checks(group: Sequence[HostRun]) -> list[Check]:
+    """The goal's parts on one host, each decided within the run :func:`_deciding` picks;
+    where the host has several runs, each part's reason names its run."""
+    parts = [
+        ((DELTASERVE, GREEDY), lambda r: attainment_check(r.doc, DELTASERVE)),
+        ((PIPELINE, GREEDY), lambda r: attainment_check(r.doc, PIPELINE)),
+        ((DELTASERVE, LLMSTATION), lambda r: ft_check(r.doc, r.machine_time)),
+        ((DELTASERVE, LLMSTATION), lambda r: harvest_check(r.doc)),
+    ]
+    checks = []
+    for names, check in parts:
+        run = _deciding(group, names)
+        c = check(run)
+        checks.append(c if len(group) == 1 else
+                      Check(c.goal, c.verdict, f"{c.why}; in {Path(run.folder).name}"))
+    return checks
+
+
+def by_host(runs: Sequence[HostRun]) -> list[list[HostRun]]:
+    """``runs`` grouped by host, hosts in order of their first run, runs in block order."""
+    groups: dict[str, list[HostRun]] = {}
+    for r in runs:
+        groups.setdefault(r.host, []).append(r)
+    return list(groups.values())
+
+
 def overall(checks: Sequence[Check]) -> Verdict:
     """Not met if any part is not met, else not measured if any part is not, else met."""
     verdicts = {c.verdict for c in checks}
@@ -242,14 +278,20 @@ def _table(head: Sequence[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def _rows(run: HostRun) -> list[list[str]]:
-    """Every system the run holds, then the goal's systems it did not run."""
-    systems = run.doc["systems"]
-    host = f"{run.label}, N={repeats(run.doc)}"
-    rows = [[host, name, figure(s, "ft_tokens_per_s", ".1f"), _attainment(s),
-             figure(s, "harvest_ratio", ".2f"), _mape(s)] for name, s in systems.items()]
-    return rows + [[host, f"{name} (not run)", *[MISSING] * 4]
-                   for name in GOAL_SYSTEMS if name not in systems]
+def _rows(group: Sequence[HostRun]) -> list[list[str]]:
+    """Every system each of one host's runs holds (a run named by its folder where the host
+    has several), then the goal's systems no run of the host ran."""
+    rows, ran = [], set()
+    for run in group:
+        systems = run.doc["systems"]
+        name = "" if len(group) == 1 else f" ({Path(run.folder).name})"
+        host = f"{run.label}{name}, N={repeats(run.doc)}"
+        rows += [[host, system, figure(s, "ft_tokens_per_s", ".1f"), _attainment(s),
+                  figure(s, "harvest_ratio", ".2f"), _mape(s)] for system, s in systems.items()]
+        ran |= set(systems)
+    last = f"{group[-1].label}, N={repeats(group[-1].doc)}" if len(group) == 1 else group[-1].label
+    return rows + [[last, f"{system} (not run)", *[MISSING] * 4]
+                   for system in GOAL_SYSTEMS if system not in ran]
 
 
 def _hardware(m: dict) -> str:
@@ -274,11 +316,11 @@ def _host_line(run: HostRun) -> str:
             f"{repeats_note(doc)}; {_mape_steps(doc)}.")
 
 
-def _goal_lines(run: HostRun) -> list[str]:
-    checks = goal_checks(run.doc, run.machine_time)
+def _goal_lines(group: Sequence[HostRun]) -> list[str]:
+    checks, first = host_checks(group), group[0]
     note = (" (simulated: the issue's goal is for real hosts, checked here for reference)"
-            if run.host == SIMULATED else "")
-    return [f"- **{run.label}**{note}: goal {overall(checks)}.",
+            if first.host == SIMULATED else "")
+    return [f"- **{first.label}**{note}: goal {overall(checks)}.",
             *(f"  - {c.goal}: {c.verdict} ({c.why})." for c in checks)]
 
 
@@ -288,12 +330,14 @@ def _command(run: HostRun) -> list[str]:
 
 
 def render(runs: Sequence[HostRun]) -> str:
-    """The block: each host's run and SLO, one table of every host's systems, each host's
-    goal verdict, and the commands that produced the runs."""
-    lines = [_host_line(r) for r in runs]
-    lines += ["", *_table(COLUMNS, [row for r in runs for row in _rows(r)]), "",
+    """The block: each host's runs and SLOs, one table of every host's systems, each host's
+    goal verdict, and the commands that produced the runs (a host's runs together, hosts in
+    order of their first run)."""
+    groups = by_host(runs)
+    lines = [_host_line(r) for g in groups for r in g]
+    lines += ["", *_table(COLUMNS, [row for g in groups for row in _rows(g)]), "",
               "The goal (issue 23), per host:", ""]
-    lines += [line for r in runs for line in _goal_lines(r)]
+    lines += [line for g in groups for line in _goal_lines(g)]
     lines += ["", "The commands that produced the runs (each folder's `COMMAND`):", ""]
-    lines += [line for r in runs for line in _command(r)]
+    lines += [line for g in groups for r in g for line in _command(r)]
     return "\n".join(lines).rstrip("\n") + "\n"

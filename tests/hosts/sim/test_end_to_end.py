@@ -15,6 +15,7 @@ from deltaserve.bench.tables import render
 from deltaserve.cli import _parser, main
 from deltaserve.cli_flags import from_args
 from deltaserve.core.data import DatasetReport
+from deltaserve.core.errors import InputError
 from tests.hosts.sim.conftest import samples
 
 SYSTEMS = "inference-only,deltaserve,llmstation,split-pool"
@@ -59,6 +60,42 @@ def test_a_sixty_second_trace_end_to_end(tmp_path, vidur_dir):
     table = render(doc)
     assert "| deltaserve | llmstation |" in table and "Beside the paper" in table
     assert f"in one {doc['window_s']:.0f}-s window for every system" in table
+
+
+def test_repeats_on_their_own_noise_and_an_slo_from_the_pilots_median(tmp_path, vidur_dir):
+    cfg = SimBenchConfig(trace="burst-light", duration_s=30, systems="inference-only,deltaserve",
+                         rate_scale=0.1, out=str(tmp_path), ablation=False, progress=False,
+                         repeats=3, slo_scale=1.5)
+    run_sim_bench(cfg, data())
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["repeats"] == 3
+    pilots = doc["systems"]["inference-only"]["runs"]
+    assert len(pilots) == 3 and len({p["ttft_p99_ms"] for p in pilots}) > 1  # own noise each
+    slo = doc["slo"]
+    for side in ("ttft", "tpot"):  # 1.5 x the median of the three pilots' p99s
+        median = sorted(p[f"{side}_p99_ms"] for p in pilots)[1]
+        assert slo[f"{side}_ms"] == pytest.approx(1.5 * median, rel=1e-3)
+        assert slo[f"{side}_from"] == "pilot" and slo["pilots"] == 3
+    ds = doc["systems"]["deltaserve"]
+    assert len(ds["runs"]) == 3 and ds["repeats"] == 3
+    fts = sorted(r["ft_tokens_per_s"] for r in ds["runs"])
+    assert ds["range"]["ft_tokens_per_s"] == [fts[0], fts[2]]
+    assert ds["ft_tokens_per_s"] == pytest.approx(fts[1], abs=0.05)  # the median repeat's
+    for r in ds["runs"]:
+        assert r["completed_requests"] == doc["trace"]["requests"]  # nothing lost, any repeat
+
+
+def test_an_slo_from_the_pilot_needs_the_pilot():
+    with pytest.raises(InputError, match=r"systems.*include inference-only"):
+        SimBenchConfig(systems="deltaserve,greedy", slo_scale=1.5)
+    SimBenchConfig(systems="deltaserve,greedy")  # the flags' SLO needs no pilot
+
+
+@pytest.mark.parametrize(("field", "value"), [("repeats", 0), ("repeats", 1.5),
+                                              ("slo_scale", 0.0), ("slo_scale", float("nan"))])
+def test_repeats_and_slo_scale_are_checked_before_anything_runs(field, value):
+    with pytest.raises(InputError, match=field):
+        SimBenchConfig(**{field: value})
 
 
 def test_plan_prints_a_row_per_fleet_size(vidur_dir):

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from deltaserve.bench.config import DRAIN_S, check_drain, scoring_window_s
+from deltaserve.bench.systems import PILOT
 from deltaserve.core.errors import require
 from deltaserve.hosts.sim.config import SimHostConfig
 from deltaserve.hosts.sim.fleet import Router
@@ -38,7 +39,12 @@ class SimBenchConfig:
     data (default: the shared data's 5,000 Alpaca records, tokenized with the built-in model's
     tokenizer; see docs/sim.md). ``drain_s``: the real bench's, in simulated seconds: every
     system's fine-tuning is counted in one window, the trace's duration plus this, and the
-    simulated fleet runs (and trains) until it closes, however early its requests drained."""
+    simulated fleet runs (and trains) until it closes, however early its requests drained.
+    ``repeats``: every system this many times, each repeat on its own step-noise seed
+    (``seed`` plus the repeat's index; the trace, data and calibrated latency model stay the
+    same, as a real machine's repeats replay one trace), scored as medians with their ranges.
+    ``slo_scale``: the SLO is this times the pilot's p99s (the median over its repeats), as
+    the real bench derives it, in place of ``ttft_slo_ms`` / ``tpot_slo_ms`` (None: those)."""
 
     trace: str = "burst-light"
     systems: str = SIM_SYSTEMS
@@ -63,6 +69,8 @@ class SimBenchConfig:
     ablation: bool = True
     sensitivity: bool = False
     progress: bool = True
+    repeats: int = 1
+    slo_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("ttft_slo_ms", "tpot_slo_ms", "rate_scale"):
@@ -75,6 +83,12 @@ class SimBenchConfig:
         require(self.max_sample_tokens >= 1, "max_sample_tokens", self.max_sample_tokens,
                 "must be >= 1")
         check_drain(self.drain_s)
+        require(isinstance(self.repeats, int) and self.repeats >= 1, "repeats", self.repeats,
+                "must be an integer >= 1")
+        require(self.slo_scale is None or (math.isfinite(self.slo_scale) and self.slo_scale > 0),
+                "slo_scale", self.slo_scale, "must be > 0")
+        require(self.slo_scale is None or PILOT in self.systems.split(","), "systems",
+                self.systems, f"--slo-scale derives the SLO from the pilot's p99s: include {PILOT}")
 
     def window_s(self, trace_duration_s: float) -> float:
         """The window every system's fine-tuning is counted in (simulated seconds)."""

@@ -8,42 +8,18 @@ import json
 import time
 from pathlib import Path
 
-from deltaserve.bench import metrics as M
 from deltaserve.bench.report import write_pages
-from deltaserve.bench.score import order
 from deltaserve.bench.sim.config import SimBenchConfig
 from deltaserve.bench.sim.inputs import SimData, sim_trace
 from deltaserve.bench.sim.paper import paper_markdown, paper_reference
-from deltaserve.bench.sim.results import Scored, results_doc
-from deltaserve.bench.sim.run import (
-    SimSetup,
-    base_of,
-    log,
-    prepare,
-    run_ablation,
-    run_systems,
-    score_all,
-)
+from deltaserve.bench.sim.repeats import run_repeats, score_repeats
+from deltaserve.bench.sim.results import results_doc
+from deltaserve.bench.sim.run import log, prepare, run_ablation
 from deltaserve.bench.sim.score import SimOutcome
 from deltaserve.bench.sim.sensitivity import sensitivity_markdown, sweep
 from deltaserve.bench.sim.systems import sim_systems
-from deltaserve.bench.slo import derive_slo
 from deltaserve.bench.systems import PILOT
 from deltaserve.hosts.sim import standalone
-
-
-def _scored(setup: SimSetup, outcomes: dict[str, SimOutcome], standalone_tps: float
-            ) -> Scored:
-    """Every system at the fixed SLO (the paper's, or the flags'): the pilot's p99s are
-    recorded beside it, not used to set it."""
-    pilot = outcomes.get(PILOT)
-    ttft, tpot = (M.p99_latencies_ms(pilot.run.result.records) if pilot else (None, None))
-    cfg = setup.cfg
-    slo = derive_slo(ttft, tpot, 1.0, cfg.ttft_slo_ms, cfg.tpot_slo_ms)
-    base = base_of(setup, outcomes, standalone_tps)
-    names = order(tuple(o.run.spec for o in outcomes.values()))
-    scores = score_all(setup, {n: outcomes[n] for n in names}, base)
-    return Scored(slo, base, scores, standalone_tps)
 
 
 def warn_late_pilot(cfg: SimBenchConfig, outcomes: dict[str, SimOutcome], window_s: float
@@ -69,8 +45,9 @@ def run_sim_bench(cfg: SimBenchConfig, data: SimData | None = None) -> dict:
              f"{len(setup.data.samples)} samples")
     standalone_tps = standalone.tokens_per_s(setup.hw, setup.data.samples,
                                              cfg.backward.batch_tokens, seed=cfg.seed)
-    outcomes = run_systems(setup, sim_systems(cfg.systems), cfg.replicas, trace)
-    scored = _scored(setup, outcomes, standalone_tps)
+    reps = run_repeats(setup, sim_systems(cfg.systems), cfg.replicas, trace)
+    setup, outcomes = reps.setup, reps.first  # setup.slo: the SLO every system ran at
+    scored = score_repeats(reps, standalone_tps)
     warn_late_pilot(cfg, outcomes, cfg.window_s(trace.duration_s))
     ablation = run_ablation(setup, trace) if cfg.ablation else None
     results = results_doc(setup, trace, scored, ablation)

@@ -43,10 +43,10 @@ def results_doc(setup: SimSetup, trace: Trace, scored: Scored, ablation: dict | 
     return {
         "format": FORMAT,
         # as the real bench states it: every system's fine-tuning counted in this one window
-        # (simulated seconds: the trace and one drain); each system ran once
+        # (simulated seconds: the trace and one drain); each system ran ``repeats`` times
         "window_s": scored.base.window_s,
         "drain_s": cfg.drain_s,
-        "repeats": 1,
+        "repeats": cfg.repeats,
         "trace": trace_doc(trace, cfg.trace, cfg.rate_scale),
         "slo": asdict(scored.slo) | {"text": scored.slo.describe()},
         "slo_binding": binding(bench).as_json(),

@@ -111,14 +111,17 @@ def bench_training(setup: SimSetup) -> BenchTraining:
                          seed=cfg.seed, host_grant=setup.hw.policy)
 
 
-def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace) -> SimOutcome:
+def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace,
+               repeat: int = 0) -> SimOutcome:
     """``spec`` on ``replicas`` GPU groups of TP ``tp`` (split-pool: one of them trains), run
     until its requests finished and the scoring window closed (its training goes on to the
-    window's end however early its requests drained; later commits are not counted)."""
+    window's end however early its requests drained; later commits are not counted).
+    ``repeat``: its index among the system's repeats, added to the seed of the step noise."""
     cfg, hw = setup.cfg, setup.hw
+    seed = cfg.seed + repeat
     window_s = cfg.window_s(trace.duration_s)
     serving = replicas - spec.trainer_replicas
-    fleet = Fleet(hw, replace(cfg.engine, seed=cfg.seed), serving, cfg.router, seed=cfg.seed)
+    fleet = Fleet(hw, replace(cfg.engine, seed=seed), serving, cfg.router, seed=seed)
     if spec.coserve:
         fleet.coserve(CoServing(coserve_config(spec, bench_training(setup)), setup.latency,
                                 setup.data.samples, spec.scheduler_cls,
@@ -130,22 +133,24 @@ def run_system(setup: SimSetup, spec: SystemSpec, replicas: int, trace: Trace) -
     if spec.trainer_replicas:  # split-pool: the standalone trainer on its reserved replica
         commits = [Commit(s.at_s, s.num_tokens, s.num_samples, s.num_tokens)
                    for s in standalone.train(hw, setup.data.samples, cfg.backward.batch_tokens,
-                                             run.end_s, seed=cfg.seed)]
+                                             run.end_s, seed=seed)]
     fleet.close()
     share = hardware_share(spec, replicas, hw.tp)
     return SimOutcome(system_run(spec, run, commits, share), run, hw.tp, window_s)
 
 
-def run_systems(setup: SimSetup, specs: tuple[SystemSpec, ...], replicas: int, trace: Trace
-                ) -> dict[str, SimOutcome]:
+def run_systems(setup: SimSetup, specs: tuple[SystemSpec, ...], replicas: int, trace: Trace,
+                repeat: int = 0) -> dict[str, SimOutcome]:
     out = {}
+    tag = f" #{repeat + 1}" if setup.cfg.repeats > 1 else ""
     for spec in specs:
         if replicas <= spec.trainer_replicas:
-            log(setup.cfg, f"{spec.name}: needs {spec.trainer_replicas + 1} GPU groups or more "
-                           f"({spec.trainer_replicas} to train); skipped")
+            if repeat == 0:
+                log(setup.cfg, f"{spec.name}: needs {spec.trainer_replicas + 1} GPU groups or "
+                               f"more ({spec.trainer_replicas} to train); skipped")
             continue
-        out[spec.name] = o = run_system(setup, spec, replicas, trace)
-        log(setup.cfg, f"{spec.name}: {o.fleet.end_s:.0f} simulated s in "
+        out[spec.name] = o = run_system(setup, spec, replicas, trace, repeat)
+        log(setup.cfg, f"{spec.name}{tag}: {o.fleet.end_s:.0f} simulated s in "
                         f"{o.fleet.wall_s:.1f} s wall ({o.fleet.events} events)")
     return out
 

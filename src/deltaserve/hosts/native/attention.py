@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deltaserve.model.attention import PaddedSegments, causal_attention, segments_attention
+from deltaserve.model.attention import (
+    PaddedSegments,
+    causal_attention,
+    decode_attention,
+    segments_attention,
+)
 from deltaserve.model.config import ModelConfig
 
 
@@ -92,10 +97,7 @@ class PagedAttention:
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for g in m.decodes:
             keys, vals = self.cache.gather(layer, g.blocks)  # [g, L, Hkv, D]
-            o = F.scaled_dot_product_attention(
-                q[g.rows].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=g.mask, enable_gqa=q.shape[1] != k.shape[1])
-            out[g.rows] = o.squeeze(2).reshape(len(g.rows), -1)
+            out[g.rows] = decode_attention(q[g.rows], keys, vals, g.mask)
         for chunk in m.prefills:
             if chunk.mask is None or chunk.context_blocks is None:
                 out[chunk.rows] = causal_attention(q[chunk.rows], k[chunk.rows], v[chunk.rows])

@@ -25,10 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from deltaserve.hosts.native.attention import KVCache
-from deltaserve.model.attention import attention_kernels
+from deltaserve.model.attention import attention_kernels, decode_attention
 from deltaserve.model.llama import ForwardContext, LlamaModel
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.model.lora_slots import AdapterSlots
@@ -61,10 +60,7 @@ class StaticDecodeAttention:
         kc.index_copy_(0, self.slots, k)
         vc.index_copy_(0, self.slots, v)
         keys, vals = self.cache.gather(layer, self.block_tables)  # [b, width, Hkv, D]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=self.mask,
-            enable_gqa=q.shape[1] != k.shape[1])
-        return o.squeeze(2).reshape(q.shape[0], -1)
+        return decode_attention(q, keys, vals, self.mask)
 
 
 class DecodeGraphs:

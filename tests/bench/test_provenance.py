@@ -62,3 +62,23 @@ def test_command_file_is_generated_from_the_provenance():
 
 def test_a_missing_distribution_has_no_version():
     assert P.version("surely-not-an-installed-distribution-xyz") is None
+
+
+def test_the_cpu_is_the_first_model_name_of_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) "
+                    "Processor\nflags\t\t: amx_tile\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert P.cpu_model(info) == "Intel(R) Xeon(R) Processor"
+    info.write_text("processor\t: 0\nfeatures\t: neon\n")  # some ARM kernels name no model
+    assert P.cpu_model(info) is None
+    assert P.cpu_model(tmp_path / "absent") is None
+
+
+def test_collect_records_this_machines_cpu():
+    proc = Path("/proc/cpuinfo")
+    if not proc.is_file():
+        pytest.skip("no /proc/cpuinfo on this platform")
+    names = [ln.split(":", 1)[1].strip() for ln in proc.read_text().splitlines()
+             if ln.startswith("model name")]
+    assert P.collect([]).cpu == (names[0] if names else None)
+    assert P.collect([]).as_json()["cpu"] == P.collect([]).cpu

@@ -31,7 +31,10 @@ class Provenance:
     """``commit``: ``git rev-parse HEAD`` of the checkout the package was imported from (None:
     not a git checkout, or no git); ``dirty``: tracked files differ from it (None: unknown);
     ``argv``: the command line; ``versions``: each distribution's version (None: not
-    installed); ``cores``: the machine's CPU count; ``gpu``: the first CUDA device's name."""
+    installed); ``cores``: the machine's CPU count; ``gpu``: the first CUDA device's name;
+    ``cpu``: the processor's model name (``/proc/cpuinfo``; None where it names none): runs on
+    two machines of one CPU count can still differ several-fold (bf16 matmul with AMX or
+    without), so a comparison across runs must know which it ran on."""
 
     commit: str | None
     dirty: bool | None
@@ -41,6 +44,7 @@ class Provenance:
     cores: int | None
     gpu: str | None
     platform: str
+    cpu: str | None = None
 
     def as_json(self) -> dict:
         return asdict(self) | {"argv": list(self.argv)}
@@ -80,10 +84,21 @@ def version(dist: str) -> str | None:
         return None
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The first ``model name`` in ``cpuinfo`` (None: no such file or line)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return None
+    names = [ln.split(":", 1)[1].strip() for ln in lines
+             if ln.split(":", 1)[0].strip() == "model name" and ":" in ln]
+    return names[0] if names else None
+
+
 def collect(argv: list[str] | None = None) -> Provenance:
     """The provenance of the running process (``argv``: default ``sys.argv``)."""
     commit, dirty = checkout_state(Path(deltaserve.__file__).resolve().parent)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return Provenance(commit, dirty, tuple(sys.argv if argv is None else argv),
                       platform.python_version(), {d: version(d) for d in DISTRIBUTIONS},
-                      os.cpu_count(), gpu, platform.platform())
+                      os.cpu_count(), gpu, platform.platform(), cpu_model())

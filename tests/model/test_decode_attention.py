@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from deltaserve.model.attention import decode_attention
+from deltaserve.model.attention import additive_mask, decode_attention
 
 
 def reference(q, keys, values, lengths):
@@ -47,3 +47,18 @@ def test_keys_past_a_rows_length_change_nothing():
     before = decode_attention(q, keys, values, mask)
     keys[0, 5:], values[0, 5:] = 1e4, -1e4
     torch.testing.assert_close(decode_attention(q, keys, values, mask), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_additive_mask_built_once_equals_the_boolean_one(dtype):
+    # the step converts its mask once; SDPA would convert a boolean one in every layer's call
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 6, 8, generator=g).to(dtype)
+    keys = torch.randn(3, 32, 2, 8, generator=g).to(dtype)
+    values = torch.randn(3, 32, 2, 8, generator=g).to(dtype)
+    mask = (torch.arange(32)[None, :] < torch.tensor([1, 17, 32])[:, None])[:, None, None, :]
+    additive = additive_mask(mask, dtype)
+    assert additive.dtype == dtype and torch.equal(additive == 0, mask)
+    assert torch.isinf(additive[~mask]).all() and (additive[~mask] < 0).all()
+    assert torch.equal(decode_attention(q, keys, values, additive),
+                       decode_attention(q, keys, values, mask))

@@ -54,10 +54,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as SDPA turns it into an additive one: 0 where
+    True, -inf elsewhere, in ``dtype``. Built once per step, it spares every layer's attention
+    call that conversion (three ops a layer, every layer)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
     """One query token per sequence over its gathered context: q [B, Hq, D], keys/values
-    [B, L, Hkv, D], ``mask`` [B, 1, 1, L] (True where a key is real) → [B, Hq·D].
+    [B, L, Hkv, D], ``mask`` [B, 1, 1, L] (boolean, True where a key is real, or
+    :func:`additive_mask`'s form of it in q's dtype) → [B, Hq·D].
 
     Grouped heads ride as query rows: query head ``h`` reads KV head ``h // (Hq/Hkv)`` (SDPA's
     own GQA layout), so q viewed as [B, Hkv, Hq/Hkv, D] is one attention per KV head whose

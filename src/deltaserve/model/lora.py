@@ -335,9 +335,9 @@ def apply_lora(y: torch.Tensor, x: torch.Tensor, groups: tuple[LoRAGroup, ...], 
         if isinstance(g.rows, slice):
             if g.rows == slice(None) or (g.rows.start in (0, None) and g.rows.stop == len(y)):
                 y = y + delta  # all rows: out of place, so autograd sees a plain add
-            else:
+            else:  # in place on the rows' view (``y[rows] += d`` also copies it back)
                 y = y.clone() if y.requires_grad else y
-                y[g.rows] += delta
+                y[g.rows].add_(delta)
         else:
             y = y.index_add(0, g.rows, delta)
     return y

@@ -34,8 +34,10 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, 1, head_dim] each: shaped once per step to broadcast over every layer's
+        heads (not reshaped per layer and per q and k)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -45,5 +47,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: [tokens, heads, head_dim]; ``cos``/``sin``: [tokens, head_dim]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    """``x``: [tokens, heads, head_dim]; ``cos``/``sin``: [tokens, 1, head_dim]
+    (:meth:`Rotary.cos_sin`)."""
+    return x * cos + _rotate_half(x) * sin

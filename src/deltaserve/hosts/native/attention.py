@@ -67,7 +67,7 @@ class DecodeGroup:
 
     rows: torch.Tensor  # [g] rows of the step
     blocks: torch.Tensor  # [g, n] block tables, padded
-    mask: torch.Tensor  # [g, 1, 1, n·block_size] True at real positions
+    mask: torch.Tensor  # [g, 1, 1, n·block_size] additive: 0 at real positions, else -inf
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from deltaserve.hosts.native.attention import KVCache
-from deltaserve.model.attention import attention_kernels, decode_attention
+from deltaserve.model.attention import additive_mask, attention_kernels, decode_attention
 from deltaserve.model.llama import ForwardContext, LlamaModel
 from deltaserve.model.lora import AdapterWeights
 from deltaserve.model.lora_slots import AdapterSlots
@@ -52,7 +52,8 @@ class StaticDecodeAttention:
         self.block_tables = block_tables
         width = block_tables.shape[1] * cache.block_size
         positions = torch.arange(width, device=slots.device)
-        self.mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+        self.mask = additive_mask((positions[None, :] < context_lens[:, None])[:, None, None, :],
+                                  cache.k.dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> torch.Tensor:

@@ -26,7 +26,7 @@ from deltaserve.hosts.native.cuda_graphs import DecodeGraphs
 from deltaserve.hosts.native.request import Request
 from deltaserve.hosts.native.sampler import Sampler
 from deltaserve.hosts.native.scheduler import ScheduledBatch
-from deltaserve.model.attention import PaddedSegments, attention_kernels
+from deltaserve.model.attention import PaddedSegments, additive_mask, attention_kernels
 from deltaserve.model.llama import ForwardContext, LlamaModel, MlpHook
 from deltaserve.model.lora import AdapterWeights, LoRAGroup, training_group
 from deltaserve.train.capture import StepAborted
@@ -145,7 +145,8 @@ class ModelRunner:
         meta = StepAttentionMeta(
             num_inference_rows=n_inf,
             slot_mapping=torch.tensor(flat.slots, dtype=torch.long, device=dev),
-            decodes=_decode_groups(flat.decodes, self.blocks.block_size, dev),
+            decodes=_decode_groups(flat.decodes, self.blocks.block_size, dev,
+                                   self.model.weights.dtype),
             prefills=tuple(_chunk(rows, prefix, ctx, dev) for rows, prefix, ctx in flat.prefills),
             training=PaddedSegments(training.rows.lengths, dev, _starts(
                 n_inf, training.rows.lengths)) if training is not None else None)
@@ -224,9 +225,11 @@ class ModelRunner:
 
 
 def _decode_groups(decodes: list[tuple[int, int, list[int]]], block_size: int,
-                   device: torch.device, slack: float = 1.25) -> tuple[DecodeGroup, ...]:
+                   device: torch.device, dtype: torch.dtype, slack: float = 1.25
+                   ) -> tuple[DecodeGroup, ...]:
     """Decodes sorted by context length, cut where padding to the group's longest would
-    exceed ``slack`` × the shortest: the gathered KV then tracks Σ context, not B × max."""
+    exceed ``slack`` × the shortest: the gathered KV then tracks Σ context, not B × max.
+    Each group's mask is additive in the activations' ``dtype`` (:func:`additive_mask`)."""
     groups: list[DecodeGroup] = []
     ordered = sorted(decodes, key=lambda d: d[1])
     i = 0
@@ -245,7 +248,7 @@ def _decode_groups(decodes: list[tuple[int, int, list[int]]], block_size: int,
             mask[r, :n] = True
         rows = torch.tensor([row for row, _, _ in part], dtype=torch.long)
         groups.append(DecodeGroup(rows.to(device), blocks.to(device),
-                                  mask[:, None, None, :].to(device)))
+                                  additive_mask(mask[:, None, None, :], dtype).to(device)))
         i = j
     return tuple(groups)
 

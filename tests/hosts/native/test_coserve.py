@@ -60,10 +60,11 @@ def replay(eng, ps, gap_s, params):
     for p in ps:
         ids.append(eng.add_request(p, params))
         time.sleep(gap_s)
-    while eng.has_unfinished():
+    while eng.has_unfinished() and loop.is_alive():
         time.sleep(0.01)
     stop.set()
     loop.join()
+    assert not eng.has_unfinished(), "the engine loop died with requests in flight"
     return [eng.pop_finished(i) for i in ids]
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from deltaserve.bench.replicas import check_replicas, run_replicated, threads_pe
 from deltaserve.bench.report import write_report
 from deltaserve.bench.results import BenchResults, HeldoutAccuracy, Machine, SweepPoint
 from deltaserve.bench.score import HarvestBase, binding, comparisons, harvest_base, order, score_run
-from deltaserve.bench.slo import SLOChoice, derive_slo
+from deltaserve.bench.slo import SLOChoice, derive_slo, median_p99s_ms
 from deltaserve.bench.split_pool import standalone_tokens_per_s
 from deltaserve.bench.systems import SystemSpec, parse_systems
 from deltaserve.core.latency_model import LatencyModel
@@ -81,18 +80,13 @@ def _announce(cfg: BenchConfig, run: SystemRun, slo: SLOChoice, window: float) -
             for e in run.latency_yields))
 
 
-def _median_ms(values: list[float | None]) -> float | None:
-    measured = [v for v in values if v is not None]
-    return statistics.median(measured) if measured else None
-
-
 def _slos(cfg: BenchConfig, pilots: list[SystemRun]) -> dict[float, SLOChoice]:
     """Each scale's SLO, from the median over the pilots of each side's p99."""
     p99s = [M.p99_latencies_ms(p.result.records) for p in pilots]
     if len(pilots) > 1:
         log(cfg, "pilots' p99s: " + "; ".join(
             f"TTFT {t or 0:.0f} ms, max TPOT {g or 0:.0f} ms" for t, g in p99s))
-    ttft, tpot = _median_ms([t for t, _ in p99s]), _median_ms([g for _, g in p99s])
+    ttft, tpot = median_p99s_ms(p99s)
     slos = {s: derive_slo(ttft, tpot, s, cfg.ttft_slo_ms, cfg.tpot_slo_ms, len(pilots))
             for s in cfg.slo_scales}
     which = "pilot" if len(pilots) == 1 else f"median of {len(pilots)} pilots'"

@@ -8,6 +8,8 @@ With ``--pilot-repeats N`` the pilot runs N times and its p99 is their median.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deltaserve.core.errors import InputError
@@ -47,6 +49,17 @@ class SLOChoice:
         return (side("TTFT", self.ttft_ms, self.ttft_from, self.pilot_ttft_p99_ms) + ", "
                 + side("TPOT", self.tpot_ms, self.tpot_from, self.pilot_tpot_p99_ms)
                 + " per request")
+
+
+def median_p99s_ms(p99s: Sequence[tuple[float | None, float | None]]
+                   ) -> tuple[float | None, float | None]:
+    """The median over the pilots of each side's p99 (TTFT, max TPOT), a pilot that measured
+    none on a side left out of it (None: no pilot measured that side)."""
+    def median(values: list[float | None]) -> float | None:
+        measured = [v for v in values if v is not None]
+        return statistics.median(measured) if measured else None
+
+    return median([t for t, _ in p99s]), median([g for _, g in p99s])
 
 
 def derive_slo(pilot_ttft_p99_ms: float | None, pilot_tpot_p99_ms: float | None, scale: float,

@@ -11,7 +11,6 @@ busy time, the fleet's speed) are those of its median repeat by FT tokens."""
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, replace
 
 from deltaserve.bench import metrics as M
@@ -21,7 +20,7 @@ from deltaserve.bench.sim.config import SimBenchConfig
 from deltaserve.bench.sim.results import Scored
 from deltaserve.bench.sim.run import SimSetup, base_of, log, run_systems
 from deltaserve.bench.sim.score import SimOutcome, SimScore, score
-from deltaserve.bench.slo import SLOChoice, derive_slo
+from deltaserve.bench.slo import SLOChoice, derive_slo, median_p99s_ms
 from deltaserve.bench.systems import PILOT, SystemSpec
 from deltaserve.workloads.trace import Trace
 
@@ -40,16 +39,11 @@ class Repeats:
         return {name: runs[0] for name, runs in self.outcomes.items()}
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def pilot_slo(cfg: SimBenchConfig, pilots: list[SimOutcome]) -> SLOChoice:
     """``cfg.slo_scale`` × the median of ``pilots``' p99s, or the flags' SLO with those
     medians beside it (no pilot: the flags' SLO alone)."""
     p99s = [M.p99_latencies_ms(p.run.result.records) for p in pilots]
-    ttft, tpot = _median([t for t, _ in p99s]), _median([g for _, g in p99s])
+    ttft, tpot = median_p99s_ms(p99s)
     pilots_n = max(1, len(pilots))
     if cfg.slo_scale is None:
         return derive_slo(ttft, tpot, 1.0, cfg.ttft_slo_ms, cfg.tpot_slo_ms, pilots_n)

@@ -75,10 +75,8 @@ def test_the_cpu_is_the_first_model_name_of_cpuinfo(tmp_path):
 
 
 def test_collect_records_this_machines_cpu():
-    proc = Path("/proc/cpuinfo")
-    if not proc.is_file():
-        pytest.skip("no /proc/cpuinfo on this platform")
+    proc = Path("/proc/cpuinfo")  # absent off Linux: then no CPU is named
     names = [ln.split(":", 1)[1].strip() for ln in proc.read_text().splitlines()
-             if ln.startswith("model name")]
+             if ln.startswith("model name")] if proc.is_file() else []
     assert P.collect([]).cpu == (names[0] if names else None)
     assert P.collect([]).as_json()["cpu"] == P.collect([]).cpu
